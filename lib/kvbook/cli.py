@@ -1,0 +1,163 @@
+"""python -m kvbook: trace | generate.
+
+Every command takes --config PATH (default ./config.toml) and repeatable --set section.key=value.
+A user mistake (bad flag, bad path, bad config) prints one line on stderr and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+from .config import Config, ConfigError, load_config
+from .kv_cache import CacheFullError
+from .weights import CheckpointError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + message; one line is enough
+        raise ConfigError(f"{message} (see python -m {self.prog} --help)")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="config.toml", help="path to config.toml (default: %(default)s)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config key, e.g. --set kv_cache.enable=false (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvbook", description="Run the kvbook engine: a 3-layer Qwen3-style decoder.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    trace = commands.add_parser("trace", help="run the 256 + 128 scenario and print the shape checklist")
+    _common(trace)
+    trace.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+
+    gen = commands.add_parser("generate", help="generate tokens for a prompt")
+    _common(gen)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="a user message, wrapped in Qwen's chat template")
+    source.add_argument("--input-ids", help="raw token ids, comma-separated: 9707,1879")
+    gen.add_argument("--checkpoint", metavar="DIR", help="a local Hugging Face Qwen3 checkpoint directory")
+    gen.add_argument("--num-layers", type=int, help="with --checkpoint: keep only the first N layers")
+    gen.add_argument("--max-new-tokens", type=int, help="default: [inference] output_len")
+    gen.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="weights, activations and cache")
+    gen.add_argument("--device", help="cpu, cuda or cuda:N (default: [inference] device)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, help="seed of the sampling generator")
+    gen.add_argument("--ignore-eos", action="store_true", help="always produce max-new-tokens tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    return parser
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def cmd_trace(config: Config, args) -> None:
+    from .engine import Engine
+    from .tokenizer import build_prompt_ids
+    from .trace import Tracer, checklist
+
+    engine = Engine(config, progress=not args.json)
+    input_ids = build_prompt_ids(config.inference.input_len)
+    with Tracer(engine.model) as tracer:
+        run = engine.generate(input_ids, config.inference.output_len, ignore_eos=True, tracer=tracer)
+    result = checklist(tracer, run.output_ids)
+    result["device"] = str(engine.device)
+    result["dtype"] = config.inference.dtype
+    result["kv_cache_enabled"] = config.kv_cache.enable
+    result["ttft_ms"], result["tpot_ms"] = run.ttft_ms, run.tpot_ms
+    if args.json:
+        print(json.dumps(result))
+        return
+    pre = result["prefill"]
+    print(f"prefill ({engine.device}, {config.inference.dtype})")
+    print(f"  input_ids                 {_fmt(pre['input_ids'])}")
+    print(f"  embedding                 {_fmt(pre['embedding'])}")
+    for layer in pre["layers"]:
+        print(f"  layer {layer['layer']} output            {_fmt(layer['output'])}")
+    for c in pre["kv_cache"]:
+        print(f"  cache K{c['layer']} V{c['layer']}                {_fmt(c['k'])} {_fmt(c['v'])}")
+    print(f"  attention weights         {_fmt(pre['attention_weights'])}")
+    print(f"  logits (last position)    {_fmt(pre['logits'])} -> first token {pre['first_token']}")
+    print(f"decode ({len(result['decode'])} steps)")
+    for d in result["decode"]:
+        print(f"  step {d['step']:3d}: input {_fmt(d['input'])}  Q {_fmt(d['q'])}  K/V {_fmt(d['k'])}  "
+              f"attention {_fmt(d['attention_weights'])}  logits {_fmt(d['logits'])}  cache_len {d['cache_len']}")
+    tpot = f"{run.tpot_ms:.1f}" if run.tpot_ms is not None else "-"
+    print(f"TTFT {run.ttft_ms:.1f} ms, TPOT {tpot} ms, {len(run.output_ids)} tokens, "
+          f"final cache_len {run.cache_len}")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ConfigError(f"--input-ids {text!r}: expected comma-separated integers like 9707,1879") from None
+    if not ids:
+        raise ConfigError("--input-ids is empty: give at least one token id")
+    return ids
+
+
+def cmd_generate(config: Config, args) -> None:
+    from .engine import Engine
+    from .tokenizer import get_default_tokenizer
+
+    inference = {}
+    if args.dtype:
+        inference["dtype"] = args.dtype
+        config = config.replace(kv_cache={"cache_dtype": args.dtype})
+    if args.device:
+        inference["device"] = args.device
+    config = config.replace(inference=inference)
+    if args.num_layers is not None and not args.checkpoint:
+        raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
+    tokenizer = get_default_tokenizer()
+    if args.prompt is not None:
+        input_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        input_ids = _parse_ids(args.input_ids)
+    if args.checkpoint:
+        engine = Engine.from_checkpoint(config, args.checkpoint, args.num_layers)
+    else:
+        engine = Engine(config, progress=not args.json)
+    vocab = engine.config.model.vocab_size
+    bad = [i for i in input_ids if not 0 <= i < vocab]
+    if bad:
+        raise ConfigError(f"--input-ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    run = engine.generate(input_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          seed=args.seed, ignore_eos=args.ignore_eos)
+    text = tokenizer.decode(run.output_ids)
+    if args.json:
+        print(json.dumps({"input_ids": input_ids, "output_ids": run.output_ids, "text": text,
+                          "finish_reason": run.finish_reason, "cache_len": run.cache_len,
+                          "ttft_ms": run.ttft_ms, "tpot_ms": run.tpot_ms, "device": str(engine.device),
+                          "dtype": engine.config.inference.dtype}))
+        return
+    print(text)
+    tpot = f"{run.tpot_ms:.1f} ms" if run.tpot_ms is not None else "-"
+    print(f"[{len(input_ids)} prompt + {len(run.output_ids)} generated tokens, finish_reason "
+          f"{run.finish_reason}, cache_len {run.cache_len}, TTFT {run.ttft_ms:.1f} ms, TPOT {tpot}, "
+          f"{engine.device}]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = lambda message, category, *rest: f"kvbook: warning: {message}\n"
+    try:
+        args = build_parser().parse_args(argv)
+        config = load_config(args.config, args.overrides)
+        {"trace": cmd_trace, "generate": cmd_generate}[args.command](config, args)
+    except (ConfigError, CheckpointError, CacheFullError, ValueError, OSError) as err:
+        if os.environ.get("KVBOOK_DEBUG"):
+            raise
+        print(f"kvbook: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvbook: interrupted", file=sys.stderr)
+        return 130
+    return 0

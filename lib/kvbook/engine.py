@@ -1,0 +1,162 @@
+"""Prefill and decode as two visible phases.
+
+Prefill runs every prompt position once, fills the caches and gives the first generated token from the last
+position's logits. Each decode step feeds the token just generated (not a hidden state), attends to the
+cache, appends one position and gives the next token. After 256 prompt + 128 generated tokens the cache
+holds 383 positions: the last token is never fed back. Explained in chapters 4 ("Prefill") and 5 ("Decode").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import Config, ModelConfig
+from .device import TORCH_DTYPES, resolve_device, synchronize
+from .kv_cache import CacheFullError, KVCache
+from .model import Qwen3ForCausalLM
+from .sampling import sample_next
+from .tokenizer import EOS_IDS
+from .weights import build_model, checkpoint_config, load_checkpoint, load_random_weights
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated token: index 0 comes from prefill, 1.. from decode steps."""
+
+    index: int
+    phase: str  # "prefill" or "decode"
+    token_id: int
+    ms: float  # the forward pass and the choice of the token, synchronized
+    cache_len: int  # positions in every layer's cache after this step (0 with the cache disabled)
+    positions_computed: int  # 256 in prefill; 1 per decode step with the cache, the whole sequence without
+
+
+@dataclass
+class Generation:
+    input_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" (an EOS token) or "length" (max_new_tokens reached)
+    steps: list[Step] = field(repr=False)
+
+    @property
+    def ttft_ms(self) -> float:
+        """Time to first token: prefill plus choosing the first token."""
+        return self.steps[0].ms
+
+    @property
+    def step_ms(self) -> list[float]:
+        return [step.ms for step in self.steps[1:]]
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first: the mean decode step (None if there was no decode step)."""
+        return statistics.fmean(self.step_ms) if len(self.steps) > 1 else None
+
+    @property
+    def cache_len(self) -> int:
+        return self.steps[-1].cache_len
+
+
+class Engine:
+    """Holds the model on its device and runs prefill + decode for one sequence at a time."""
+
+    def __init__(self, config: Config, model: Qwen3ForCausalLM | None = None, progress: bool = True):
+        self.device = resolve_device(config.inference.device)
+        self.dtype = TORCH_DTYPES[config.inference.dtype]
+        started = time.perf_counter()
+        if model is None:
+            weights = load_random_weights(config.model, self.dtype, progress)
+            model = build_model(config.model, weights, self.device)
+        synchronize(self.device)
+        self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
+        self.config = config
+        self.model = model
+
+    @classmethod
+    def from_checkpoint(cls, config: Config, directory: str | Path, num_layers: int | None = None) -> Engine:
+        """A real local Hugging Face Qwen3 checkpoint, optionally cut to its first num_layers layers."""
+        model_cfg = checkpoint_config(directory, num_layers)
+        config = Config(model=model_cfg, inference=config.inference, kv_cache=config.kv_cache,
+                        server=config.server)
+        weights = load_checkpoint(directory, model_cfg, TORCH_DTYPES[config.inference.dtype])
+        return cls(config, build_model(model_cfg, weights, resolve_device(config.inference.device)))
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    def new_cache(self) -> KVCache | None:
+        if not self.config.kv_cache.enable:
+            return None
+        return KVCache(self.config.model, self.config.kv_cache, self.device)
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse, before any work, a request that the positions or the cache cannot hold."""
+        if prompt_len < 1:
+            raise ValueError("the prompt is empty; give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
+        needed = prompt_len + max_new_tokens - 1  # the last generated token is never fed back
+        limit = self.config.model.max_position_embeddings
+        if needed > limit:
+            raise ValueError(f"{prompt_len} prompt + {max_new_tokens} new tokens need {needed} positions but "
+                             f"max_position_embeddings is {limit}; shorten the prompt or max_new_tokens")
+        kv = self.config.kv_cache
+        if kv.enable and needed > kv.max_cache_len:
+            raise CacheFullError(
+                f"{prompt_len} prompt + {max_new_tokens} new tokens need {needed} cache positions but "
+                f"max_cache_len is {kv.max_cache_len}; raise [kv_cache] max_cache_len to at least {needed} "
+                f"(--set kv_cache.max_cache_len={needed}) or generate fewer tokens")
+
+    @torch.inference_mode()
+    def stream(self, input_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None):
+        """Yield a Step per generated token. Stop on EOS (unless ignore_eos) or after max_new_tokens.
+
+        Closing the generator early (a client that went away) ends the run and frees its cache.
+        tracer: a kvbook.trace.Tracer to record shapes, cache lengths and timings of every step.
+        """
+        max_new_tokens = max_new_tokens or self.config.inference.output_len
+        self.check_request(len(input_ids), max_new_tokens)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(self.device).manual_seed(seed if seed is not None else 0)
+        cache = self.new_cache()
+        sequence = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, 256]
+        prompt_len = sequence.shape[1]
+
+        for index in range(max_new_tokens):
+            phase = "prefill" if index == 0 else "decode"
+            if cache is None or index == 0:  # prefill, or no cache: compute every position so far
+                ids, first = sequence, 0  # [1, 256 + index]
+            else:  # decode: only the token generated last, at the next position
+                ids, first = sequence[:, -1:], sequence.shape[1] - 1  # [1, 1]
+            positions = torch.arange(first, sequence.shape[1], device=self.device)  # [T]
+            with tracer.step(phase, index) if tracer else contextlib.nullcontext():
+                started = time.perf_counter()
+                logits = self.model(ids, positions, cache)  # [1, 1, 151936]
+                token = sample_next(logits[0, -1], temperature, top_p, generator)
+                synchronize(self.device)
+                ms = (time.perf_counter() - started) * 1e3
+            step = Step(index, phase, token, ms, cache.length if cache is not None else 0, ids.shape[1])
+            if tracer:
+                tracer.add_step(step, prompt_len)
+            yield step
+            if token in EOS_IDS and not ignore_eos:
+                return
+            sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)  # [1, 256 + index + 1]
+
+    def generate(self, input_ids: list[int], max_new_tokens: int | None = None, **options) -> Generation:
+        """Run stream() to the end. options: temperature, top_p, seed, ignore_eos, tracer."""
+        steps = list(self.stream(input_ids, max_new_tokens, **options))
+        output_ids = [step.token_id for step in steps]
+        stopped = output_ids[-1] in EOS_IDS and not options.get("ignore_eos", False)
+        return Generation(list(input_ids), output_ids, "stop" if stopped else "length", steps)

@@ -1,0 +1,81 @@
+"""The contiguous KV cache: per layer, preallocated K and V buffers with a write position.
+
+New positions are written after the history (the source article's pitfall 3), and attention reads views of
+the filled part, so decode never copies the history. Explained in chapters 4 ("Prefill") and 5 ("Decode").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import KVCacheConfig, ModelConfig
+from .device import TORCH_DTYPES
+
+
+class CacheFullError(RuntimeError):
+    """Writing past max_cache_len. Raised before anything is written, so the cache stays usable."""
+
+
+class LayerKVCache:
+    def __init__(self, layer: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.layer = layer
+        self.max_len = max_len
+        shape = (batch, kv_heads, max_len, head_dim)  # [1, 32, 4096, 128]
+        # empty, not zeros: only the filled part [:length] is ever read
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k_new, v_new [B, KV, T, D] -> the whole cache so far, K and V [B, KV, length + T, D]."""
+        start, end = self.length, self.length + k_new.shape[2]
+        if end > self.max_len:
+            raise CacheFullError(
+                f"KV cache full at layer {self.layer}: writing position {end - 1} needs {end} positions but "
+                f"max_cache_len is {self.max_len}; raise [kv_cache] max_cache_len to at least {end} "
+                f"(--set kv_cache.max_cache_len={end}) or generate fewer tokens")
+        self.k[:, :, start:end] = k_new  # after the history, never before it
+        self.v[:, :, start:end] = v_new
+        self.length = end
+        # read in the activations' dtype: a no-op unless cache_dtype differs from dtype (pitfall 4)
+        return self.k[:, :, :end].to(k_new.dtype), self.v[:, :, :end].to(v_new.dtype)
+
+    def keys(self) -> torch.Tensor:
+        return self.k[:, :, :self.length]  # [B, KV, length, D]
+
+    def values(self) -> torch.Tensor:
+        return self.v[:, :, :self.length]  # [B, KV, length, D]
+
+
+class KVCache:
+    """One LayerKVCache per decoder layer: K0, V0, K1, V1, K2, V2 for the article's model."""
+
+    def __init__(self, model: ModelConfig, kv: KVCacheConfig, device: torch.device, batch: int = 1):
+        self.layers = [
+            LayerKVCache(i, batch, model.num_key_value_heads, kv.max_cache_len, model.head_dim,
+                         TORCH_DTYPES[kv.cache_dtype], device)
+            for i in range(model.num_hidden_layers)
+        ]
+
+    def __getitem__(self, layer: int) -> LayerKVCache:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def length(self) -> int:
+        """Positions held (the same in every layer): 256 after prefill, 383 after 127 decode steps."""
+        return self.layers[0].length
+
+    def lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]
+
+    def filled_bytes(self) -> int:
+        """Bytes of K and V actually holding positions: 2 x layers x kv_heads x head_dim x length x size."""
+        return sum(2 * layer.keys().numel() * layer.k.element_size() for layer in self.layers)
+
+    def reserved_bytes(self) -> int:
+        """Bytes preallocated for max_cache_len positions."""
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)

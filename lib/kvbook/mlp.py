@@ -1,0 +1,24 @@
+"""The SwiGLU feed-forward block: down_proj(silu(gate_proj(x)) * up_proj(x)).
+
+Explained in chapter 3 ("Inside layer 0")."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .probe import Probe
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype=None, device=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+        self.swiglu = Probe()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 4096]
+        gated = self.swiglu(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, 11008]
+        return self.down_proj(gated)  # [B, T, 4096]

@@ -1,0 +1,80 @@
+"""Our model against transformers' Qwen3ForCausalLM (eager attention, float32) on tiny random configs:
+logits after prefill and at every decode step within 1e-5, and the caches' contents equal."""
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen3Config
+from transformers import Qwen3ForCausalLM as HFQwen3
+
+from kvbook.kv_cache import KVCache
+from kvbook.weights import build_model
+
+from .conftest import small_config
+
+CASES = {
+    "mha-untied": dict(heads=4, kv_heads=4, head_dim=16, tied=False),
+    "gqa-untied": dict(heads=4, kv_heads=2, head_dim=16, tied=False),
+    "gqa-tied": dict(heads=4, kv_heads=1, head_dim=16, tied=True),
+    "mha-tied-wide-heads": dict(heads=4, kv_heads=4, head_dim=32, tied=True),  # head_dim != hidden / heads
+    "gqa-untied-narrow-heads": dict(heads=8, kv_heads=2, head_dim=4, tied=False),
+}
+
+
+def hf_reference(cfg):
+    m = cfg.model
+    hf_cfg = Qwen3Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                         num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                         num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
+                         max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
+                         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+                         tie_word_embeddings=m.tie_word_embeddings, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = HFQwen3(hf_cfg).eval()
+    with torch.no_grad():  # transformers initializes norms to ones; make them matter
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return hf, hf_cfg
+
+
+@pytest.mark.parametrize("case", CASES)
+@torch.inference_mode()
+def test_logits_and_caches_match_transformers(case):
+    cfg = small_config(**CASES[case])
+    hf, hf_cfg = hf_reference(cfg)
+    weights = {k: v.clone() for k, v in hf.state_dict().items()}
+    if cfg.model.tie_word_embeddings:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+        weights.pop("lm_head.weight")
+    ours = build_model(cfg.model, weights, torch.device("cpu"))
+
+    prompt = torch.randint(0, cfg.model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    hf_cache = DynamicCache(config=hf_cfg)
+    hf_out = hf(prompt, cache=hf_cache, use_cache=True)
+    cache = KVCache(cfg.model, cfg.kv_cache, torch.device("cpu"))
+    logits = ours(prompt, torch.arange(12), cache, last_only=False)  # [1, 12, vocab]
+    torch.testing.assert_close(logits, hf_out.logits, atol=1e-5, rtol=1e-5)
+
+    token = hf_out.logits[:, -1:].argmax(-1)  # [1, 1]
+    for step in range(6):
+        hf_out = hf(token, cache=hf_cache, use_cache=True)
+        logits = ours(token, torch.tensor([12 + step]), cache)  # [1, 1, vocab]
+        torch.testing.assert_close(logits, hf_out.logits, atol=1e-5, rtol=1e-5)
+        token = hf_out.logits[:, -1:].argmax(-1)
+
+    assert cache.length == hf_cache.get_seq_length() == 18
+    for i, layer in enumerate(cache.layers):
+        torch.testing.assert_close(layer.keys(), hf_cache.layers[i].keys, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(layer.values(), hf_cache.layers[i].values, atol=1e-6, rtol=1e-6)
+
+
+def test_parity_test_can_fail():
+    """A wrong cache order (new key before the history) must break the comparison above."""
+    cfg = small_config()
+    hf, hf_cfg = hf_reference(cfg)
+    ours = build_model(cfg.model, {k: v.clone() for k, v in hf.state_dict().items()}, torch.device("cpu"))
+    prompt = torch.arange(1, 13)[None]
+    with torch.inference_mode():
+        logits = ours(prompt, torch.arange(12).flip(0), None, last_only=False)  # positions reversed
+        reference = hf(prompt).logits
+    assert not torch.allclose(logits, reference, atol=1e-5, rtol=1e-5)
