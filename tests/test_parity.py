@@ -3,11 +3,10 @@ logits after prefill and at every decode step within 1e-5, and the caches' conte
 
 import pytest
 import torch
-from transformers import DynamicCache, Qwen3Config
-from transformers import Qwen3ForCausalLM as HFQwen3
-
 from kvbook.kv_cache import KVCache
 from kvbook.weights import build_model
+from transformers import DynamicCache, Qwen3Config
+from transformers import Qwen3ForCausalLM as HFQwen3
 
 from .conftest import small_config
 

@@ -71,7 +71,7 @@ def cmd_trace(config: Config, args) -> None:
     result["device"] = str(engine.device)
     result["dtype"] = config.inference.dtype
     result["kv_cache_enabled"] = config.kv_cache.enable
-    result["ttft_ms"], result["tpot_ms"] = run.ttft_ms, run.tpot_ms
+    result["ready_s"], result["ttft_ms"], result["tpot_ms"] = engine.ready_s, run.ttft_ms, run.tpot_ms
     if args.json:
         print(json.dumps(result))
         return
@@ -90,8 +90,8 @@ def cmd_trace(config: Config, args) -> None:
         print(f"  step {d['step']:3d}: input {_fmt(d['input'])}  Q {_fmt(d['q'])}  K/V {_fmt(d['k'])}  "
               f"attention {_fmt(d['attention_weights'])}  logits {_fmt(d['logits'])}  cache_len {d['cache_len']}")
     tpot = f"{run.tpot_ms:.1f}" if run.tpot_ms is not None else "-"
-    print(f"TTFT {run.ttft_ms:.1f} ms, TPOT {tpot} ms, {len(run.output_ids)} tokens, "
-          f"final cache_len {run.cache_len}")
+    print(f"model ready in {engine.ready_s:.1f} s; TTFT {run.ttft_ms:.1f} ms, TPOT {tpot} ms, "
+          f"{len(run.output_ids)} tokens, final cache_len {run.cache_len}")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -108,13 +108,6 @@ def cmd_generate(config: Config, args) -> None:
     from .engine import Engine
     from .tokenizer import get_default_tokenizer
 
-    inference = {}
-    if args.dtype:
-        inference["dtype"] = args.dtype
-        config = config.replace(kv_cache={"cache_dtype": args.dtype})
-    if args.device:
-        inference["device"] = args.device
-    config = config.replace(inference=inference)
     if args.num_layers is not None and not args.checkpoint:
         raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
     tokenizer = get_default_tokenizer()
@@ -136,7 +129,8 @@ def cmd_generate(config: Config, args) -> None:
     if args.json:
         print(json.dumps({"input_ids": input_ids, "output_ids": run.output_ids, "text": text,
                           "finish_reason": run.finish_reason, "cache_len": run.cache_len,
-                          "ttft_ms": run.ttft_ms, "tpot_ms": run.tpot_ms, "device": str(engine.device),
+                          "ready_s": engine.ready_s, "ttft_ms": run.ttft_ms, "tpot_ms": run.tpot_ms,
+                          "device": str(engine.device),
                           "dtype": engine.config.inference.dtype}))
         return
     print(text)
@@ -146,11 +140,21 @@ def cmd_generate(config: Config, args) -> None:
           f"{engine.device}]", file=sys.stderr)
 
 
+def _flag_overrides(args) -> list[str]:
+    """--dtype and --device are shorthands for --set overrides (the cache follows the model's dtype)."""
+    extra = []
+    if getattr(args, "dtype", None):
+        extra += [f"inference.dtype={args.dtype}", f"kv_cache.cache_dtype={args.dtype}"]
+    if getattr(args, "device", None):
+        extra.append(f"inference.device={args.device}")
+    return extra
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"kvbook: warning: {message}\n"
     try:
         args = build_parser().parse_args(argv)
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides + _flag_overrides(args))
         {"trace": cmd_trace, "generate": cmd_generate}[args.command](config, args)
     except (ConfigError, CheckpointError, CacheFullError, ValueError, OSError) as err:
         if os.environ.get("KVBOOK_DEBUG"):

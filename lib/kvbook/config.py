@@ -70,16 +70,20 @@ class ModelConfig:
         if self.seed < 0:
             raise ConfigError(f"[model] seed = {self.seed}: must be >= 0")
         if self.head_dim % 2:
-            raise ConfigError(f"[model] head_dim = {self.head_dim}: RoPE rotates pairs of dimensions, so it must be even")
+            raise ConfigError(f"[model] head_dim = {self.head_dim}: RoPE rotates pairs of dimensions, "
+                              "so it must be even")
         attention_width = self.head_dim * self.num_attention_heads
         if attention_width != self.hidden_size and not self.decoupled_head_dim:
-            right = self.hidden_size / self.num_attention_heads
-            fix = f"set head_dim = {int(right)}" if right == int(right) else "make hidden_size divisible by num_attention_heads"
+            if self.hidden_size % self.num_attention_heads == 0:
+                right = self.hidden_size // self.num_attention_heads
+                fix = f"set head_dim = hidden_size / num_attention_heads = {right}"
+            else:
+                fix = "make hidden_size a multiple of num_attention_heads"
             raise ConfigError(
                 f"[model] head_dim = {self.head_dim} does not split the {self.hidden_size}-wide Q/K/V projections "
                 f"into {self.num_attention_heads} heads ({self.num_attention_heads} x {self.head_dim} = "
-                f"{attention_width}); {fix} = hidden_size / num_attention_heads "
-                "(or decoupled_head_dim = true for a Qwen3 size whose attention width differs on purpose)")
+                f"{attention_width}); {fix} (or decoupled_head_dim = true for a Qwen3 size whose attention "
+                "width differs on purpose)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"[model] num_key_value_heads = {self.num_key_value_heads} must divide num_attention_heads = "
@@ -149,21 +153,23 @@ class Config:
         inf, kv, model = self.inference, self.kv_cache, self.model
         # 256 prompt + 128 generated tokens leave 383 positions in the cache: the last token is never fed back.
         needed = inf.input_len + inf.output_len - 1
+        if needed > model.max_position_embeddings:
+            raise ConfigError(
+                f"[inference] input_len + output_len - 1 = {needed} exceeds [model] max_position_embeddings = "
+                f"{model.max_position_embeddings}; shorten the run or raise max_position_embeddings")
         if kv.enable and kv.max_cache_len < needed:
             raise ConfigError(
                 f"[kv_cache] max_cache_len = {kv.max_cache_len} is too small for input_len {inf.input_len} + "
                 f"output_len {inf.output_len}: decode would stop at position {kv.max_cache_len}; set "
                 f"max_cache_len >= {needed}")
-        if needed > model.max_position_embeddings:
-            raise ConfigError(
-                f"[inference] input_len + output_len - 1 = {needed} exceeds [model] max_position_embeddings = "
-                f"{model.max_position_embeddings}; shorten the run or raise max_position_embeddings")
         if kv.enable and kv.cache_dtype != inf.dtype:
             ratio = DTYPE_BYTES[kv.cache_dtype] / DTYPE_BYTES[inf.dtype]
             mib = kv_cache_bytes(model, kv.max_cache_len, kv.cache_dtype) / 2**20
+            same_mib = kv_cache_bytes(model, kv.max_cache_len, inf.dtype) / 2**20
             warnings.warn(
                 f"[kv_cache] cache_dtype = {kv.cache_dtype!r} differs from [inference] dtype = {inf.dtype!r}: "
-                f"the cache takes {ratio:g}x the memory ({mib:.0f} MiB at max_cache_len {kv.max_cache_len}) and "
+                f"the cache takes {ratio:g}x the memory ({mib:.0f} MiB instead of {same_mib:.0f} MiB at max_cache_len "
+                f"{kv.max_cache_len}) and "
                 f"K/V are converted on every read and write; set cache_dtype = {inf.dtype!r}",
                 ConfigWarning, stacklevel=3)
 

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -125,7 +126,7 @@ def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, progress: bool = T
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".partial-{os.getpid()}")
         if progress:
-            print(f"kvbook: caching weights in {path}", flush=True)
+            print(f"kvbook: caching weights in {path}", file=sys.stderr, flush=True)
         save_file(weights, str(partial), metadata={"kvbook_init": str(INIT_VERSION)})
         os.replace(partial, path)  # atomic: an interrupted write never leaves a half file under the real name
         del weights

@@ -1,0 +1,145 @@
+"""The engine on tiny float32 models: cached decode equals full recompute, the cache grows one position per
+step and ends at prompt + new - 1, errors before any work, sampling, EOS, and the weight cache."""
+
+import pytest
+import torch
+from kvbook.engine import Engine
+from kvbook.kv_cache import CacheFullError, KVCache
+from kvbook.weights import load_random_weights, random_weights, random_weights_path
+
+from .conftest import small_config
+
+PROMPT = list(range(3, 15))  # 12 tokens
+
+
+@pytest.fixture
+def engine(weight_cache):
+    return Engine(small_config(), progress=False)
+
+
+def test_cached_decode_equals_full_recompute_logits_at_every_step(engine):
+    model, cfg = engine.model, engine.config
+    cache = KVCache(cfg.model, cfg.kv_cache, engine.device)
+    sequence = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        cached = model(sequence, torch.arange(12), cache)
+        for _ in range(8):
+            recomputed = model(sequence, torch.arange(sequence.shape[1]), None)  # no cache at all
+            torch.testing.assert_close(cached, recomputed, atol=1e-5, rtol=1e-5)
+            token = cached[:, -1:].argmax(-1)  # [1, 1]
+            sequence = torch.cat([sequence, token], dim=1)
+            cached = model(token, torch.tensor([sequence.shape[1] - 1]), cache)
+    assert cache.length == 12 + 8
+
+
+def test_cache_disabled_recomputes_everything_and_gives_the_same_tokens(weight_cache):
+    on = Engine(small_config(), progress=False).generate(PROMPT, 6, ignore_eos=True)
+    off = Engine(small_config(enable=False), progress=False).generate(PROMPT, 6, ignore_eos=True)
+    assert on.output_ids == off.output_ids
+    assert [s.positions_computed for s in on.steps] == [12, 1, 1, 1, 1, 1]
+    assert [s.positions_computed for s in off.steps] == [12, 13, 14, 15, 16, 17]
+    assert [s.cache_len for s in on.steps] == [12, 13, 14, 15, 16, 17]
+    assert [s.cache_len for s in off.steps] == [0] * 6
+
+
+def test_prefill_then_decode_phases_and_timings(engine):
+    run = engine.generate(PROMPT, 6, ignore_eos=True)
+    assert [s.phase for s in run.steps] == ["prefill"] + ["decode"] * 5
+    assert len(run.output_ids) == 6 and run.finish_reason == "length"
+    assert run.cache_len == 12 + 6 - 1  # the last token is never fed back
+    assert run.ttft_ms > 0 and run.tpot_ms > 0 and len(run.step_ms) == 5
+
+
+def test_kv_cache_bytes_are_exact(engine):
+    cfg = engine.config
+    cache = KVCache(cfg.model, cfg.kv_cache, engine.device)
+    with torch.inference_mode():
+        engine.model(torch.tensor([PROMPT]), torch.arange(12), cache)
+    m = cfg.model
+    assert cache.filled_bytes() == 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * 12 * 4
+    assert cache.reserved_bytes() == 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * 64 * 4
+    assert cache[0].keys().shape == (1, m.num_key_value_heads, 12, m.head_dim)
+
+
+def test_cache_overflow_names_length_limit_and_fix_and_loses_nothing(engine):
+    cfg = engine.config.replace(kv_cache={"max_cache_len": 20}, inference={"output_len": 5})
+    cache = KVCache(cfg.model, cfg.kv_cache, engine.device)
+    with torch.inference_mode():
+        engine.model(torch.tensor([PROMPT + PROMPT[:8]]), torch.arange(20), cache)  # exactly full
+        with pytest.raises(CacheFullError) as err:
+            engine.model(torch.tensor([[5]]), torch.tensor([20]), cache)
+    assert "needs 21 positions but max_cache_len is 20" in str(err.value)
+    assert "--set kv_cache.max_cache_len=21" in str(err.value)
+    assert cache.lengths() == [20, 20]  # nothing half-written
+
+
+def test_requests_the_cache_cannot_hold_are_refused_before_any_work(weight_cache):
+    engine = Engine(small_config(max_cache_len=16, output_len=5), progress=False)
+    with pytest.raises(CacheFullError, match="need 17 cache positions but max_cache_len is 16"):
+        next(engine.stream(PROMPT, 6))
+    assert len(engine.generate(PROMPT, 5, ignore_eos=True).output_ids) == 5  # 16 positions fit exactly
+    with pytest.raises(ValueError, match="max_new_tokens = -1"):
+        next(engine.stream(PROMPT, -1))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        next(engine.stream([], 3))
+    with pytest.raises(ValueError, match="max_position_embeddings is 256"):
+        next(Engine(small_config(max_cache_len=4096), progress=False).stream(PROMPT * 30, 10))
+
+
+def test_eos_stops_unless_ignored(engine, monkeypatch):
+    greedy = engine.generate(PROMPT, 6, ignore_eos=True).output_ids
+    monkeypatch.setattr("kvbook.engine.EOS_IDS", frozenset({greedy[1]}))  # pretend the 2nd token is EOS
+    stopped = engine.generate(PROMPT, 6)
+    assert stopped.output_ids == greedy[:2] and stopped.finish_reason == "stop"
+    assert stopped.cache_len == 12 + 1
+    ignored = engine.generate(PROMPT, 6, ignore_eos=True)
+    assert ignored.output_ids == greedy and ignored.finish_reason == "length"
+
+
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy(engine):
+    greedy = engine.generate(PROMPT, 6, ignore_eos=True).output_ids
+    a = engine.generate(PROMPT, 6, temperature=1.5, seed=7, ignore_eos=True).output_ids
+    b = engine.generate(PROMPT, 6, temperature=1.5, seed=7, ignore_eos=True).output_ids
+    c = engine.generate(PROMPT, 6, temperature=1.5, seed=8, ignore_eos=True).output_ids
+    assert a == b and a != c
+    assert engine.generate(PROMPT, 6, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True).output_ids == greedy
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        next(engine.stream(PROMPT, 3, temperature=-1))
+
+
+def test_closing_a_stream_early_stops_generation(engine):
+    stream = engine.stream(PROMPT, 6, ignore_eos=True)
+    first = next(stream)
+    stream.close()
+    assert first.phase == "prefill"
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+def test_weights_are_cached_under_xdg_and_reloaded_identically(weight_cache):
+    cfg = small_config().model
+    path = random_weights_path(cfg, torch.float32)
+    assert path.parent == weight_cache and not path.exists()
+    first = load_random_weights(cfg, torch.float32, progress=False)
+    assert path.exists()
+    mtime = path.stat().st_mtime_ns
+    second = load_random_weights(cfg, torch.float32, progress=False)
+    assert path.stat().st_mtime_ns == mtime  # not regenerated
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_random_weights_are_drawn_in_the_target_dtype_and_per_tensor_deterministic():
+    one = random_weights(small_config(layers=1).model, torch.float16, progress=False)
+    two = random_weights(small_config(layers=2).model, torch.float16, progress=False)
+    assert all(t.dtype == torch.float16 for t in one.values())
+    assert torch.equal(one["model.layers.0.mlp.up_proj.weight"], two["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(two["model.layers.0.mlp.up_proj.weight"][:8], two["model.layers.1.mlp.up_proj.weight"][:8])
+    std = one["model.layers.0.mlp.up_proj.weight"].float().std().item()
+    assert 0.018 < std < 0.022
+
+
+def test_different_seed_gives_different_weights_file(weight_cache):
+    a = random_weights_path(small_config().model, torch.float16)
+    b = random_weights_path(small_config().model.__class__(**{**small_config().model.__dict__, "seed": 1}),
+                            torch.float16)
+    assert a != b
