@@ -29,7 +29,7 @@ def env(tmp_path, monkeypatch):
     (["trace", "--config", "missing.toml"], "config file 'missing.toml' not found; pass --config PATH"),
     (["trace", "--set", "model.hiden_size=1"], "unknown key [model] hiden_size; did you mean 'hidden_size'?"),
     (["trace", "--set", "kv_cache.max_cache_len=256"], "set max_cache_len >= 383"),
-    (["generate"], "one of the arguments --prompt --input-ids is required"),
+    (["generate", "--prompt", "a", "--input-ids", "1"], "not allowed with argument"),
     (["generate", "--input-ids", "1,x"], "expected comma-separated integers"),
     (["generate", "--prompt", "hi", "--checkpoint", "/nonexistent"], "has no config.json"),
     (["generate", "--prompt", "hi", "--num-layers", "1"], "--num-layers needs --checkpoint"),
@@ -59,6 +59,13 @@ def test_generate_prompt_uses_chat_template_and_rejects_out_of_vocab_ids(env):
     assert json.loads(result.stdout)["input_ids"][:1] == [151644]
     bad = kvbook("generate", "--input-ids", "1,200000", *TINY, env=env)
     assert bad.returncode == 2 and "token id 200000 is outside the vocabulary [0, 151936)" in bad.stderr
+
+
+def test_generate_defaults_to_the_scenario_prompt_of_input_len_tokens(env):
+    result = kvbook("generate", "--max-new-tokens", "3", "--json", *TINY, "--set", "inference.input_len=40", env=env)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["input_ids"]) == 40 and out["cache_len"] == 42
 
 
 def test_cache_dtype_warning_is_one_line(env):

@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate tokens for a prompt")
     _common(gen)
-    source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="a user message, wrapped in Qwen's chat template")
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="a user message, wrapped in Qwen's chat template (default: the "
+                        "article's scenario, a chat prompt of exactly [inference] input_len tokens of real text)")
     source.add_argument("--input-ids", help="raw token ids, comma-separated: 9707,1879")
     gen.add_argument("--checkpoint", metavar="DIR", help="a local Hugging Face Qwen3 checkpoint directory")
     gen.add_argument("--num-layers", type=int, help="with --checkpoint: keep only the first N layers")
@@ -106,15 +107,17 @@ def _parse_ids(text: str) -> list[int]:
 
 def cmd_generate(config: Config, args) -> None:
     from .engine import Engine
-    from .tokenizer import get_default_tokenizer
+    from .tokenizer import build_prompt_ids, get_default_tokenizer
 
     if args.num_layers is not None and not args.checkpoint:
         raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
     tokenizer = get_default_tokenizer()
     if args.prompt is not None:
         input_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    else:
+    elif args.input_ids is not None:
         input_ids = _parse_ids(args.input_ids)
+    else:
+        input_ids = build_prompt_ids(config.inference.input_len, tokenizer)
     if args.checkpoint:
         engine = Engine.from_checkpoint(config, args.checkpoint, args.num_layers)
     else:
