@@ -1,7 +1,7 @@
 """Qwen3 self-attention: projections, per-head QK-norm, RoPE, cache write, grouped-query attention.
 
-The order of operations and dtypes follow transformers' Qwen3Attention with eager attention (softmax in
-float32). Explained in chapter 3 ("Inside layer 0"); the cache write in chapters 4 and 5.
+The order of operations follows transformers' Qwen3Attention with eager attention; the two attention
+products and the softmax run in float32. Explained in chapter 3 ("Inside layer 0"); the cache write in chapters 4 and 5.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kv_cache import LayerKVCache
+from .linear import Linear
 from .norm import RMSNorm
 from .probe import Probe
 from .rope import ApplyRope
@@ -33,10 +34,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scaling = cfg.head_dim ** -0.5
         q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=False, dtype=dtype, device=device)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False, dtype=dtype, device=device)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False, dtype=dtype, device=device)
-        self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        self.q_proj = Linear(cfg.hidden_size, q_width, dtype=dtype, device=device)
+        self.k_proj = Linear(cfg.hidden_size, kv_width, dtype=dtype, device=device)
+        self.v_proj = Linear(cfg.hidden_size, kv_width, dtype=dtype, device=device)
+        self.o_proj = Linear(q_width, cfg.hidden_size, dtype=dtype, device=device)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, device=device)  # per head
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.rope = ApplyRope()
@@ -55,13 +56,14 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)  # [1, 32, S, 128], S = positions so far (257 at decode step 1)
         k, v = self.k_cached(k), self.v_cached(v)
-        k = repeat_kv(k, self.num_heads // self.num_kv_heads)  # [1, 32, S, 128]
-        v = repeat_kv(v, self.num_heads // self.num_kv_heads)
-        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling  # [1, 32, T, S]
+        # The attention products run in float32, whatever the cache holds: softmax is float32 in transformers
+        # too, and on a CPU without float16 arithmetic this is both faster and more exact (chapter 7).
+        k = repeat_kv(k, self.num_heads // self.num_kv_heads).float()  # [1, 32, S, 128]
+        v = repeat_kv(v, self.num_heads // self.num_kv_heads).float()
+        scores = torch.matmul(q.float(), k.transpose(2, 3)) * self.scaling  # [1, 32, T, S]
         if mask is not None:
             scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [1, 32, T, S]
-        weights = self.attn_weights(weights)
-        out = torch.matmul(weights, v)  # [1, 32, T, 128]
+        weights = self.attn_weights(torch.softmax(scores, dim=-1))  # [1, 32, T, S], each row sums to 1
+        out = torch.matmul(weights, v).to(q.dtype)  # [1, 32, T, 128]
         out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # [1, T, 4096]
         return self.o_proj(out)  # [1, T, 4096]

@@ -102,10 +102,13 @@ class InferenceConfig:
     output_len: int = 128
     dtype: str = "float16"
     device: str = "cuda:0"
+    # "auto": bfloat16 for a float16 model on the CPU (no native float16 arithmetic there), else dtype
+    prefill_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("inference", self, "batch_size", "input_len", "output_len")
         _one_of("inference", "dtype", self.dtype, DTYPE_BYTES)
+        _one_of("inference", "prefill_dtype", self.prefill_dtype, ["auto", *DTYPE_BYTES])
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"[inference] device = {self.device!r}: use \"cpu\", \"cuda\" or \"cuda:N\"")
         if self.batch_size != 1:

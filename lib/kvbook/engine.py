@@ -17,12 +17,21 @@ from pathlib import Path
 import torch
 
 from .config import Config, ModelConfig
-from .device import TORCH_DTYPES, resolve_device, synchronize
+from .device import TORCH_DTYPES, resolve_device, resolve_prefill_dtype, synchronize
 from .kv_cache import CacheFullError, KVCache
+from .linear import split_long_inputs
 from .model import Qwen3ForCausalLM
 from .sampling import sample_next
 from .tokenizer import EOS_IDS
-from .weights import build_model, checkpoint_config, load_checkpoint, load_random_weights
+from .weights import (
+    attach_prefill_weights,
+    build_model,
+    checkpoint_config,
+    load_checkpoint,
+    load_random_prefill_weights,
+    load_random_weights,
+    prefill_weight_names,
+)
 
 
 @dataclass(frozen=True)
@@ -69,10 +78,20 @@ class Engine:
     def __init__(self, config: Config, model: Qwen3ForCausalLM | None = None, progress: bool = True):
         self.device = resolve_device(config.inference.device)
         self.dtype = TORCH_DTYPES[config.inference.dtype]
+        self.prefill_dtype = resolve_prefill_dtype(config.inference.prefill_dtype, config.inference.dtype,
+                                                   self.device)
         started = time.perf_counter()
         if model is None:
             weights = load_random_weights(config.model, self.dtype, progress)
             model = build_model(config.model, weights, self.device)
+            if self.prefill_dtype != self.dtype:
+                attach_prefill_weights(model, load_random_prefill_weights(
+                    config.model, self.dtype, self.prefill_dtype, weights, progress))
+        elif self.prefill_dtype != self.dtype:
+            attach_prefill_weights(model, {name: model.get_parameter(name).to(self.prefill_dtype)
+                                           for name in prefill_weight_names(config.model)})
+        if self.device.type == "cpu" and self.dtype == torch.float16:
+            split_long_inputs(model)
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config
@@ -136,13 +155,13 @@ class Engine:
         for index in range(max_new_tokens):
             phase = "prefill" if index == 0 else "decode"
             if cache is None or index == 0:  # prefill, or no cache: compute every position so far
-                ids, first = sequence, 0  # [1, 256 + index]
+                ids, first, compute_dtype = sequence, 0, self.prefill_dtype  # [1, 256 + index]
             else:  # decode: only the token generated last, at the next position
-                ids, first = sequence[:, -1:], sequence.shape[1] - 1  # [1, 1]
+                ids, first, compute_dtype = sequence[:, -1:], sequence.shape[1] - 1, self.dtype  # [1, 1]
             positions = torch.arange(first, sequence.shape[1], device=self.device)  # [T]
             with tracer.step(phase, index) if tracer else contextlib.nullcontext():
                 started = time.perf_counter()
-                logits = self.model(ids, positions, cache)  # [1, 1, 151936]
+                logits = self.model(ids, positions, cache, compute_dtype=compute_dtype)  # [1, 1, 151936]
                 token = sample_next(logits[0, -1], temperature, top_p, generator)
                 synchronize(self.device)
                 ms = (time.perf_counter() - started) * 1e3

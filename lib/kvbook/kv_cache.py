@@ -35,11 +35,10 @@ class LayerKVCache:
                 f"KV cache full at layer {self.layer}: writing position {end - 1} needs {end} positions but "
                 f"max_cache_len is {self.max_len}; raise [kv_cache] max_cache_len to at least {end} "
                 f"(--set kv_cache.max_cache_len={end}) or generate fewer tokens")
-        self.k[:, :, start:end] = k_new  # after the history, never before it
+        self.k[:, :, start:end] = k_new  # after the history, never before it; converted to cache_dtype
         self.v[:, :, start:end] = v_new
         self.length = end
-        # read in the activations' dtype: a no-op unless cache_dtype differs from dtype (pitfall 4)
-        return self.k[:, :, :end].to(k_new.dtype), self.v[:, :, :end].to(v_new.dtype)
+        return self.k[:, :, :end], self.v[:, :, :end]  # views in cache_dtype: nothing is copied
 
     def keys(self) -> torch.Tensor:
         return self.k[:, :, :self.length]  # [B, KV, length, D]

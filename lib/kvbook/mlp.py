@@ -8,15 +8,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .linear import Linear
 from .probe import Probe
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype=None, device=None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, device=device)
+        self.gate_proj = Linear(hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.up_proj = Linear(hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, device=device)
         self.swiglu = Probe()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 4096]

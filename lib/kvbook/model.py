@@ -12,6 +12,7 @@ from torch import nn
 from .attention import Attention
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .linear import Linear
 from .mlp import MLP
 from .norm import RMSNorm
 from .rope import rope_cos_sin
@@ -46,9 +47,12 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """input_ids [B, T], positions [T] -> final-normed hidden states [B, T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """input_ids [B, T], positions [T] -> final-normed hidden states [B, T, hidden].
+        compute_dtype: the activations' dtype (default: the weights'); see kvbook.linear."""
         x = self.embed_tokens(input_ids)  # [1, T, 4096]
+        x = x.to(compute_dtype or x.dtype)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [T, 128]
         history = cache.length if cache is not None else 0
         mask = causal_mask(input_ids.shape[1], history + input_ids.shape[1], x.device)  # [T, S]
@@ -62,14 +66,14 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Qwen3Model(cfg, dtype, device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                last_only: bool = True) -> torch.Tensor:
+                last_only: bool = True, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> logits [B, 1, vocab] for the last position (what generation needs), or [B, T, vocab]."""
-        hidden = self.model(input_ids, positions, cache)  # [1, T, 4096]
+        hidden = self.model(input_ids, positions, cache, compute_dtype)  # [1, T, 4096]
         if last_only:
             hidden = hidden[:, -1:]  # [1, 1, 4096]: lm_head's 622M parameters run on one position only
         return self.lm_head(hidden)  # [1, 1, 151936]

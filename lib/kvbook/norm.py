@@ -19,5 +19,6 @@ class RMSNorm(nn.Module):
         x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)  # [..., 1]
         x = x * torch.rsqrt(variance + self.eps)
-        # transformers casts back before scaling; the order matters for bit-parity in float16
-        return self.weight * x.to(input_dtype)
+        # transformers casts back before scaling; the order matters for bit-parity in float16.
+        # (The weight follows the activations' dtype: bfloat16 during a bfloat16 prefill.)
+        return self.weight.to(input_dtype) * x.to(input_dtype)

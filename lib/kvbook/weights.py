@@ -81,6 +81,29 @@ def check_shapes(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
                                   f"the model needs {list(shape)}")
 
 
+# ---- a copy of the decoder layers' matrices in a faster dtype for prefill (kvbook.linear) ----------------
+
+def prefill_weight_names(cfg: ModelConfig) -> list[str]:
+    """The layers' matrices: prefill's arithmetic. lm_head runs on one position and the embedding is a lookup."""
+    shapes = expected_shapes(cfg)
+    return [name for name, shape in shapes.items() if name.startswith("model.layers.") and len(shape) == 2]
+
+
+def attach_prefill_weights(model: Qwen3ForCausalLM, prefill: dict[str, torch.Tensor]) -> None:
+    device = model.lm_head.weight.device
+    for name, tensor in prefill.items():
+        model.get_submodule(name.removesuffix(".weight")).prefill_weight = tensor.to(device)
+
+
+def _save_atomically(tensors: dict[str, torch.Tensor], path: Path, progress: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".partial-{os.getpid()}")
+    if progress:
+        print(f"kvbook: caching weights in {path}", file=sys.stderr, flush=True)
+    save_file(tensors, str(partial), metadata={"kvbook_init": str(INIT_VERSION)})
+    os.replace(partial, path)  # atomic: an interrupted write never leaves a half file under the real name
+
+
 # ---- deterministic random weights, cached as safetensors -------------------------------------------------
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -122,14 +145,20 @@ def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, progress: bool = T
     """The cached file as an mmap; drawn and written first if it is not there yet."""
     path = random_weights_path(cfg, dtype)
     if not path.exists():
-        weights = random_weights(cfg, dtype, progress)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".partial-{os.getpid()}")
-        if progress:
-            print(f"kvbook: caching weights in {path}", file=sys.stderr, flush=True)
-        save_file(weights, str(partial), metadata={"kvbook_init": str(INIT_VERSION)})
-        os.replace(partial, path)  # atomic: an interrupted write never leaves a half file under the real name
-        del weights
+        _save_atomically(random_weights(cfg, dtype, progress), path, progress)
+    return load_file(str(path))
+
+
+def load_random_prefill_weights(cfg: ModelConfig, dtype: torch.dtype, prefill_dtype: torch.dtype,
+                                weights: dict[str, torch.Tensor], progress: bool = True) -> dict[str, torch.Tensor]:
+    """The layers' matrices of `weights` converted to prefill_dtype, cached beside the weights' file."""
+    base = random_weights_path(cfg, dtype)
+    path = base.with_name(base.stem + f".prefill-{str(prefill_dtype).removeprefix('torch.')}.safetensors")
+    if not path.exists():
+        names = prefill_weight_names(cfg)
+        converted = {name: weights[name].to(prefill_dtype)
+                     for name in tqdm(names, desc="kvbook: prefill copy", disable=not progress)}
+        _save_atomically(converted, path, progress)
     return load_file(str(path))
 
 
