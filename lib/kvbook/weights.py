@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -89,19 +91,42 @@ def prefill_weight_names(cfg: ModelConfig) -> list[str]:
     return [name for name, shape in shapes.items() if name.startswith("model.layers.") and len(shape) == 2]
 
 
+def prefill_copies(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The layers' matrices converted to dtype, several tensors at a time."""
+    names = prefill_weight_names(cfg)
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        return dict(zip(names, pool.map(lambda name: weights[name].to(dtype), names), strict=True))
+
+
 def attach_prefill_weights(model: Qwen3ForCausalLM, prefill: dict[str, torch.Tensor]) -> None:
     device = model.lm_head.weight.device
     for name, tensor in prefill.items():
         model.get_submodule(name.removesuffix(".weight")).prefill_weight = tensor.to(device)
 
 
+_pending_saves: list[threading.Thread] = []
+
+
 def _save_atomically(tensors: dict[str, torch.Tensor], path: Path, progress: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".partial-{os.getpid()}")
-    if progress:
-        print(f"kvbook: caching weights in {path}", file=sys.stderr, flush=True)
+    partial = path.with_suffix(f".partial-{os.getpid()}-{threading.get_ident()}")
     save_file(tensors, str(partial), metadata={"kvbook_init": str(INIT_VERSION)})
     os.replace(partial, path)  # atomic: an interrupted write never leaves a half file under the real name
+    if progress:
+        print(f"kvbook: cached weights in {path}", file=sys.stderr, flush=True)
+
+
+def _save_in_background(tensors: dict[str, torch.Tensor], path: Path, progress: bool) -> None:
+    """The model is usable while its weights are written; the process waits for the write before it exits."""
+    thread = threading.Thread(target=_save_atomically, args=(tensors, path, progress), name=f"save {path.name}")
+    thread.start()
+    _pending_saves.append(thread)
+
+
+def wait_for_saves() -> None:
+    """Block until every weight file started by this process is written (tests, benchmarks)."""
+    while _pending_saves:
+        _pending_saves.pop().join()
 
 
 # ---- deterministic random weights, cached as safetensors -------------------------------------------------
@@ -112,18 +137,25 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True) -> dict[str, torch.Tensor]:
-    """N(0, 0.02) matrices drawn directly in `dtype` (no float32 copy), norm weights of ones."""
+    """N(0, 0.02) matrices drawn directly in `dtype` (no float32 copy), norm weights of ones.
+
+    One generator per tensor, so tensors are drawn in parallel threads (torch's normal_ uses one core)."""
     shapes = expected_shapes(cfg)
-    weights = {}
+
+    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=dtype)
+        generator = torch.Generator().manual_seed(_tensor_seed(cfg.seed, name))
+        return torch.empty(shape, dtype=dtype).normal_(0.0, INIT_STD, generator=generator)
+
     total = sum(torch.Size(s).numel() for s in shapes.values())
-    with tqdm(total=total, unit="param", unit_scale=True, desc="kvbook: drawing random weights",
-              disable=not progress) as bar:
-        for name, shape in shapes.items():
-            if len(shape) == 1:
-                weights[name] = torch.ones(shape, dtype=dtype)
-            else:
-                generator = torch.Generator().manual_seed(_tensor_seed(cfg.seed, name))
-                weights[name] = torch.empty(shape, dtype=dtype).normal_(0.0, INIT_STD, generator=generator)
+    with ThreadPoolExecutor(os.cpu_count()) as pool, tqdm(
+            total=total, unit="param", unit_scale=True, desc="kvbook: drawing random weights",
+            disable=not progress) as bar:
+        futures = {name: pool.submit(draw, name, shape) for name, shape in shapes.items()}
+        weights = {}
+        for name, future in futures.items():
+            weights[name] = future.result()
             bar.update(weights[name].numel())
     return weights
 
@@ -141,25 +173,24 @@ def random_weights_path(cfg: ModelConfig, dtype: torch.dtype) -> Path:
     return cache_dir() / f"random-{str(dtype).removeprefix('torch.')}-{key}.safetensors"
 
 
-def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True) -> dict[str, torch.Tensor]:
-    """The cached file as an mmap; drawn and written first if it is not there yet."""
+def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, prefill_dtype: torch.dtype | None = None,
+                        progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """The weights and, if prefill_dtype is given, their prefill copy: mmaps of the cached files. The first
+    time, drawn (and converted) in memory, then written to the cache in the background."""
     path = random_weights_path(cfg, dtype)
+    prefill_path = None
+    if prefill_dtype is not None:
+        prefill_path = path.with_name(f"{path.stem}.prefill-{str(prefill_dtype).removeprefix('torch.')}.safetensors")
+    weights = load_file(str(path)) if path.exists() else random_weights(cfg, dtype, progress)
+    prefill = None
+    if prefill_path is not None:
+        prefill = load_file(str(prefill_path)) if prefill_path.exists() else prefill_copies(cfg, weights, prefill_dtype)
+    # written only once everything is in memory, so the writes do not slow the drawing down
     if not path.exists():
-        _save_atomically(random_weights(cfg, dtype, progress), path, progress)
-    return load_file(str(path))
-
-
-def load_random_prefill_weights(cfg: ModelConfig, dtype: torch.dtype, prefill_dtype: torch.dtype,
-                                weights: dict[str, torch.Tensor], progress: bool = True) -> dict[str, torch.Tensor]:
-    """The layers' matrices of `weights` converted to prefill_dtype, cached beside the weights' file."""
-    base = random_weights_path(cfg, dtype)
-    path = base.with_name(base.stem + f".prefill-{str(prefill_dtype).removeprefix('torch.')}.safetensors")
-    if not path.exists():
-        names = prefill_weight_names(cfg)
-        converted = {name: weights[name].to(prefill_dtype)
-                     for name in tqdm(names, desc="kvbook: prefill copy", disable=not progress)}
-        _save_atomically(converted, path, progress)
-    return load_file(str(path))
+        _save_in_background(weights, path, progress)
+    if prefill_path is not None and not prefill_path.exists():
+        _save_in_background(prefill, prefill_path, progress)
+    return weights, prefill
 
 
 # ---- a local Hugging Face Qwen3 checkpoint ---------------------------------------------------------------

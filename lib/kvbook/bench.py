@@ -1,0 +1,264 @@
+"""python -m kvbook bench: TTFT, TPOT, model-ready time, peak memory and the memory-bandwidth floor of a decode
+step, measured honestly (warm-up, repeated runs, synchronized), optionally beside transformers' Qwen3ForCausalLM
+at the same shapes and dtype in the same run. Read by chapter 7 ("Latency") and BENCHMARKS.md.
+
+Each party runs in its own process, so that one's memory and caches do not colour the other's figures:
+  probe        a large float16 matrix-vector product outside any model: the best read bandwidth
+  engine       kvbook from the weight cache (and, with --cold, from an empty cache)
+  transformers Qwen3ForCausalLM built from a Qwen3Config, random init, prefill then step-by-step decode
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from .config import Config, kv_cache_bytes
+from .device import TORCH_DTYPES, resolve_device, synchronize
+from .weights import expected_shapes
+
+PROBE_ROWS, PROBE_COLS = 65536, 4096  # 512 MiB in float16: far larger than any cache
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def decode_weight_bytes(config: Config) -> int:
+    """Bytes every decode step must read: every weight but the embedding table, of which it looks up one row
+    (with tied embeddings, lm_head is that table and is read whole)."""
+    shapes = expected_shapes(config.model)
+    shapes.pop("model.embed_tokens.weight")
+    if config.model.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.model.vocab_size, config.model.hidden_size)
+    return sum(torch.Size(shape).numel() for shape in shapes.values()) * _dtype_size(config)
+
+
+def all_weight_bytes(config: Config) -> int:
+    return sum(torch.Size(shape).numel() for shape in expected_shapes(config.model).values()) * _dtype_size(config)
+
+
+def _dtype_size(config: Config) -> int:
+    return torch.finfo(TORCH_DTYPES[config.inference.dtype]).bits // 8
+
+
+# ---- workers: each prints one JSON line ---------------------------------------------------------------
+
+def probe_worker(config: Config, repeats: int) -> dict:
+    """Best read bandwidth of a float16 matrix-vector product on the engine's device, in GB/s."""
+    device = resolve_device(config.inference.device)
+    dtype = TORCH_DTYPES[config.inference.dtype]
+    matrices = [torch.randn(PROBE_ROWS, PROBE_COLS, dtype=dtype, device=device) for _ in range(2)]
+    x = torch.randn(1, PROBE_COLS, dtype=dtype, device=device)
+    times = []
+    for i in range(repeats + 2):
+        synchronize(device)
+        started = time.perf_counter()
+        torch.nn.functional.linear(x, matrices[i % 2])
+        synchronize(device)
+        if i >= 2:  # the first two are warm-up
+            times.append(time.perf_counter() - started)
+    nbytes = matrices[0].numel() * matrices[0].element_size()
+    return {"probe_gbps": nbytes / min(times) / 1e9, "probe_median_gbps": nbytes / statistics.median(times) / 1e9,
+            "probe_shape": [PROBE_ROWS, PROBE_COLS]}
+
+
+def engine_worker(config: Config, repeats: int, steps: int) -> dict:
+    from .engine import Engine
+    from .tokenizer import build_prompt_ids
+
+    engine = Engine(config, progress=False)
+    if repeats == 0:  # only make sure the weight cache exists
+        return {"ready_s": engine.ready_s}
+    prompt = build_prompt_ids(config.inference.input_len)
+    engine.generate(prompt, min(steps, 4) + 1, ignore_eos=True)  # warm-up
+    ttft, tpot = [], []
+    for _ in range(repeats):
+        run = engine.generate(prompt, steps + 1, ignore_eos=True)
+        ttft.append(run.ttft_ms)
+        tpot.append(run.tpot_ms)
+    cache = engine.new_cache()
+    with torch.inference_mode():  # one prefill more, to weigh the cache it fills
+        engine.model(torch.tensor([prompt], device=engine.device), torch.arange(len(prompt), device=engine.device),
+                     cache, compute_dtype=engine.prefill_dtype)
+    return {"ready_s": engine.ready_s, "ttft_ms": _spread(ttft), "tpot_ms": _spread(tpot),
+            "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": str(engine.prefill_dtype),
+            "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length}
+
+
+def transformers_worker(config: Config, repeats: int, steps: int) -> dict:
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    from .tokenizer import build_prompt_ids
+
+    m = config.model
+    device, dtype = resolve_device(config.inference.device), TORCH_DTYPES[config.inference.dtype]
+    hf_config = Qwen3Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                            num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
+                            max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
+                            rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+                            tie_word_embeddings=m.tie_word_embeddings)
+    started = time.perf_counter()
+    model = Qwen3ForCausalLM._from_config(hf_config, dtype=dtype).to(device).eval()
+    synchronize(device)
+    build_s = time.perf_counter() - started
+    prompt = torch.tensor([build_prompt_ids(config.inference.input_len)], device=device)
+
+    @torch.inference_mode()
+    def run(new_tokens: int) -> tuple[float, list[float]]:
+        cache = DynamicCache(config=hf_config)
+        synchronize(device)
+        started = time.perf_counter()
+        logits = model(prompt, cache=cache, logits_to_keep=1).logits  # lm_head on the last position only
+        token = logits[:, -1:].argmax(-1)
+        synchronize(device)
+        ttft = (time.perf_counter() - started) * 1e3
+        step_ms = []
+        for _ in range(new_tokens - 1):
+            started = time.perf_counter()
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+            synchronize(device)
+            step_ms.append((time.perf_counter() - started) * 1e3)
+        return ttft, step_ms
+
+    run(min(steps, 4) + 1)  # warm-up
+    ttft, tpot = [], []
+    for _ in range(repeats):
+        first, step_ms = run(steps + 1)
+        ttft.append(first)
+        tpot.append(statistics.fmean(step_ms))
+    return {"build_s": build_s, "ttft_ms": _spread(ttft), "tpot_ms": _spread(tpot), "peak_rss_mb": _peak_rss_mb()}
+
+
+WORKERS = {"probe": probe_worker, "engine": engine_worker, "transformers": transformers_worker}
+
+
+# ---- the parent: runs the workers, computes floor and ratios ------------------------------------------
+
+def _run_worker(role: str, config_path: str, overrides: list[str], repeats: int, steps: int,
+                env: dict | None = None) -> dict:
+    command = [sys.executable, "-m", "kvbook.bench", role, config_path, str(repeats), str(steps), *overrides]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"bench worker {role!r} failed: {result.stderr.strip().splitlines()[-1:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_bench(config: Config, config_path: str, overrides: list[str], against: str | None = None,
+              repeats: int = 3, steps: int = 32, cold: bool = True, progress=print) -> dict:
+    stages = ["bandwidth probe", "engine (weights from the cache)"] + (["engine (empty cache)"] if cold else []) + (
+        ["transformers"] if against else [])
+    stage = iter(range(1, len(stages) + 1))
+
+    def announce(name: str) -> None:
+        progress(f"kvbook bench: [{next(stage)}/{len(stages)}] {name} ...")
+
+    announce(stages[0])
+    probe = _run_worker("probe", config_path, overrides, 20, steps)
+    announce(stages[1])
+    _run_worker("engine", config_path, overrides, 0, 1)  # makes sure the weight cache exists (not timed)
+    engine = _run_worker("engine", config_path, overrides, repeats, steps)
+    weights_read = decode_weight_bytes(config)
+    result = {
+        "ttft_ms": engine["ttft_ms"]["median"], "tpot_ms": engine["tpot_ms"]["median"],
+        "ready_s": engine["ready_s"], "peak_rss_mb": engine["peak_rss_mb"],
+        "floor_ms": weights_read / (probe["probe_gbps"] * 1e9) * 1e3,
+        "ttft_spread": engine["ttft_ms"], "tpot_spread": engine["tpot_ms"],
+        "probe_gbps": probe["probe_gbps"], "probe_median_gbps": probe["probe_median_gbps"],
+        "decode_weight_bytes": weights_read, "weight_bytes": all_weight_bytes(config),
+        "kv_cache_bytes": engine["kv_cache_bytes"],
+        "kv_cache_bytes_formula": kv_cache_bytes(config.model, engine["kv_cache_positions"],
+                                                 config.kv_cache.cache_dtype),
+        "kv_cache_positions": engine["kv_cache_positions"],
+        "device": engine["device"], "dtype": config.inference.dtype, "prefill_dtype": engine["prefill_dtype"],
+        "input_len": config.inference.input_len, "decode_steps": steps, "repeats": repeats,
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+    }
+    if cold:
+        announce(stages[2])
+        with tempfile.TemporaryDirectory(prefix="kvbook-cold-") as empty:
+            cold_run = _run_worker("engine", config_path, overrides, 1, 2, env={**os.environ, "XDG_CACHE_HOME": empty})
+        result["cold_ready_s"] = cold_run["ready_s"]
+    if against:
+        announce(stages[-1])
+        peer = _run_worker("transformers", config_path, overrides, repeats, steps)
+        result["transformers"] = {"build_s": peer["build_s"], "ttft_ms": peer["ttft_ms"]["median"],
+                                  "tpot_ms": peer["tpot_ms"]["median"], "peak_rss_mb": peer["peak_rss_mb"],
+                                  "ttft_spread": peer["ttft_ms"], "tpot_spread": peer["tpot_ms"]}
+    result["targets"] = targets(result)
+    return result
+
+
+def targets(r: dict) -> dict:
+    """The speed issue's goals as ratios measured in this run (None where the run lacks the comparison)."""
+    peer = r.get("transformers")
+    goals = {
+        "tpot_vs_floor": (r["tpot_ms"] / r["floor_ms"], 1.2),
+        "peak_rss_vs_weights": (r["peak_rss_mb"] * 2**20 / r["weight_bytes"], 1.3),
+        "kv_cache_bytes_exact": (float(r["kv_cache_bytes"] == r["kv_cache_bytes_formula"]), 1.0),
+    }
+    if peer:
+        goals |= {"tpot_vs_transformers": (r["tpot_ms"] / peer["tpot_ms"], 0.7),
+                  "ttft_vs_transformers": (r["ttft_ms"] / peer["ttft_ms"], 0.4),
+                  "ready_vs_transformers_build": (r["ready_s"] / peer["build_s"], 0.1)}
+        if "cold_ready_s" in r:
+            goals["cold_ready_vs_transformers_build"] = (r["cold_ready_s"] / peer["build_s"], 0.4)
+    out = {}
+    for name, (ratio, limit) in goals.items():
+        met = ratio == limit if name == "kv_cache_bytes_exact" else ratio <= limit
+        out[name] = {"ratio": round(ratio, 3), "limit": limit, "met": bool(met)}
+    return out
+
+
+def format_table(r: dict) -> str:
+    peer = r.get("transformers", {})
+    lines = [f"kvbook bench on {r['device']} ({r['machine']['cpu_count']} CPUs), {r['dtype']} weights, prefill in "
+             f"{r['prefill_dtype'].removeprefix('torch.')}, prompt {r['input_len']}, {r['decode_steps']} decode steps "
+             f"x {r['repeats']} runs (medians)",
+             f"{'':28s}{'kvbook':>12s}{'transformers':>14s}"]
+
+    def row(label, ours, theirs, fmt):
+        lines.append(f"{label:28s}{fmt.format(ours):>12s}{(fmt.format(theirs) if theirs is not None else '-'):>14s}")
+
+    row("TTFT (ms)", r["ttft_ms"], peer.get("ttft_ms"), "{:.1f}")
+    row("TPOT (ms)", r["tpot_ms"], peer.get("tpot_ms"), "{:.2f}")
+    row("model ready (s)", r["ready_s"], peer.get("build_s"), "{:.2f}")
+    if "cold_ready_s" in r:
+        row("model ready, empty cache (s)", r["cold_ready_s"], peer.get("build_s"), "{:.2f}")
+    row("peak RSS (MiB)", r["peak_rss_mb"], peer.get("peak_rss_mb"), "{:.0f}")
+    lines.append(f"bandwidth probe {r['probe_gbps']:.1f} GB/s (best); a decode step reads "
+                 f"{r['decode_weight_bytes'] / 1e9:.2f} GB -> floor {r['floor_ms']:.1f} ms")
+    lines.append(f"KV cache after prefill: {r['kv_cache_bytes']} bytes (formula {r['kv_cache_bytes_formula']})")
+    for name, t in r["targets"].items():
+        lines.append(f"  {'met ' if t['met'] else 'MISS'} {name:34s} {t['ratio']:.3f} (limit {t['limit']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """Worker entry point: python -m kvbook.bench ROLE CONFIG REPEATS STEPS [OVERRIDES...]"""
+    from .config import load_config
+
+    role, config_path, repeats, steps, *overrides = argv
+    config = load_config(config_path, overrides)
+    fn = WORKERS[role]
+    args = (config, int(repeats)) if role == "probe" else (config, int(repeats), int(steps))
+    print(json.dumps(fn(*args)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
