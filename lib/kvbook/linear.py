@@ -24,6 +24,9 @@ class Linear(nn.Linear):
         self.prefill_weight: torch.Tensor | None = None
         self.weight_blocks: list[torch.Tensor] | None = None
 
+    def reset_parameters(self) -> None:
+        """No random init: weights always come from kvbook.weights (drawn from the config's seed or loaded)."""
+
     def split_input(self, max_width: int = 8192) -> None:
         """Keep the weight as contiguous column blocks at most max_width wide (used instead of the weight)."""
         blocks = -(-self.in_features // max_width)
