@@ -4,9 +4,9 @@ logits after prefill and at every decode step within 1e-5, and the caches' conte
 import pytest
 import torch
 from kvbook.kv_cache import KVCache
+from kvbook.reference import hf_random_model, hf_weights
 from kvbook.weights import build_model
-from transformers import DynamicCache, Qwen3Config
-from transformers import Qwen3ForCausalLM as HFQwen3
+from transformers import DynamicCache
 
 from .conftest import small_config
 
@@ -20,20 +20,8 @@ CASES = {
 
 
 def hf_reference(cfg):
-    m = cfg.model
-    hf_cfg = Qwen3Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                         num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-                         num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
-                         max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
-                         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-                         tie_word_embeddings=m.tie_word_embeddings, attn_implementation="eager")
-    torch.manual_seed(0)
-    hf = HFQwen3(hf_cfg).eval()
-    with torch.no_grad():  # transformers initializes norms to ones; make them matter
-        for name, param in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    return hf, hf_cfg
+    hf = hf_random_model(cfg.model)
+    return hf, hf.config
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -41,11 +29,9 @@ def hf_reference(cfg):
 def test_logits_and_caches_match_transformers(case):
     cfg = small_config(**CASES[case])
     hf, hf_cfg = hf_reference(cfg)
-    weights = {k: v.clone() for k, v in hf.state_dict().items()}
     if cfg.model.tie_word_embeddings:
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-        weights.pop("lm_head.weight")
-    ours = build_model(cfg.model, weights, torch.device("cpu"))
+    ours = build_model(cfg.model, hf_weights(hf), torch.device("cpu"))
 
     prompt = torch.randint(0, cfg.model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
     hf_cache = DynamicCache(config=hf_cfg)
@@ -71,7 +57,7 @@ def test_parity_test_can_fail():
     """A wrong cache order (new key before the history) must break the comparison above."""
     cfg = small_config()
     hf, hf_cfg = hf_reference(cfg)
-    ours = build_model(cfg.model, {k: v.clone() for k, v in hf.state_dict().items()}, torch.device("cpu"))
+    ours = build_model(cfg.model, hf_weights(hf), torch.device("cpu"))
     prompt = torch.arange(1, 13)[None]
     with torch.inference_mode():
         logits = ours(prompt, torch.arange(12).flip(0), None, last_only=False)  # positions reversed

@@ -100,27 +100,22 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
 
 
 def transformers_worker(config: Config, repeats: int, steps: int) -> dict:
-    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+    from transformers import DynamicCache, Qwen3ForCausalLM
 
+    from .reference import hf_config
     from .tokenizer import build_prompt_ids
 
-    m = config.model
     device, dtype = resolve_device(config.inference.device), TORCH_DTYPES[config.inference.dtype]
-    hf_config = Qwen3Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-                            num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
-                            max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
-                            rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-                            tie_word_embeddings=m.tie_word_embeddings)
+    hf_cfg = hf_config(config.model)
     started = time.perf_counter()
-    model = Qwen3ForCausalLM._from_config(hf_config, dtype=dtype).to(device).eval()
+    model = Qwen3ForCausalLM._from_config(hf_cfg, dtype=dtype).to(device).eval()
     synchronize(device)
     build_s = time.perf_counter() - started
     prompt = torch.tensor([build_prompt_ids(config.inference.input_len)], device=device)
 
     @torch.inference_mode()
     def run(new_tokens: int) -> tuple[float, list[float]]:
-        cache = DynamicCache(config=hf_config)
+        cache = DynamicCache(config=hf_cfg)
         synchronize(device)
         started = time.perf_counter()
         logits = model(prompt, cache=cache, logits_to_keep=1).logits  # lm_head on the last position only
