@@ -1,0 +1,153 @@
+"""The rendered book in a real browser (Debian's chromium, driven by Playwright).
+
+Every chapter page must load with no JavaScript error, no broken image and no request leaving the machine, and every
+matplotlib ``to_jshtml`` animation must change frame when its slider moves.
+
+Needs the built book (``.venv/bin/jupyter-book build . -W``) and /usr/bin/chromium (``scripts/install_chromium.sh``).
+``KVBOOK_HTML_DIR=/some/_build/html`` points the tests at another built book (default: ``_build/html`` at the
+repository root), e.g. a scratch book used to check the tests themselves.
+"""
+
+import contextlib
+import functools
+import http.server
+import os
+import re
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+from playwright.sync_api import expect, sync_playwright
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HTML_DIR = Path(os.environ.get("KVBOOK_HTML_DIR", REPO_ROOT / "_build" / "html")).resolve()
+CHAPTER_PAGES = sorted(path.relative_to(HTML_DIR).as_posix() for path in HTML_DIR.glob("chapters/*.html"))
+# The intro is listed even when it is missing, so that an unbuilt book is a failure rather than zero tests.
+PAGES = ["intro.html", *CHAPTER_PAGES]
+# to_jshtml writes its slider into the page as literal HTML, so the built files tell which pages have one.
+SLIDER_PAGES = [page for page in PAGES
+                if (HTML_DIR / page).is_file() and 'class="anim-slider"' in (HTML_DIR / page).read_text("utf-8")]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"]
+LOOPBACK = "127.0.0.1"
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # one line per request would bury the test report
+        pass
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    """Serves the built book on a free loopback port for the duration of the module."""
+    if not (HTML_DIR / "index.html").is_file():
+        pytest.fail(f"no built book at {HTML_DIR}: run `.venv/bin/jupyter-book build . -W` first", pytrace=False)
+    server = http.server.ThreadingHTTPServer((LOOPBACK, 0), functools.partial(_QuietHandler, directory=HTML_DIR))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://{LOOPBACK}:{server.server_port}/"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: run scripts/install_chromium.sh first", pytrace=False)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield browser
+        browser.close()
+
+
+def _is_external(url):
+    return urlsplit(url).scheme in ("http", "https") and urlsplit(url).hostname != LOOPBACK
+
+
+@contextlib.contextmanager
+def opened(browser, url):
+    """Yields the loaded page at url and the list of problems (page errors, console errors, outside requests)."""
+    page = browser.new_page()
+    problems = []
+
+    def keep_offline(route):
+        # Policy: the book must render offline, so ANY request to a host other than 127.0.0.1 (a CDN, a web font,
+        # MathJax...) is a FAILURE. It is aborted rather than let through, so the verdict does not depend on whether
+        # the machine running the test happens to have network.
+        if _is_external(route.request.url):
+            problems.append(f"request leaves the machine (the book must render offline): {route.request.url}")
+            route.abort()
+        else:
+            route.continue_()
+
+    def console_error(message):
+        # An aborted outside request also logs "Failed to load resource"; it is already reported above.
+        if message.type == "error" and not _is_external(message.location.get("url", "")):
+            problems.append(f"console error: {message.text} ({message.location.get('url')})")
+
+    page.route("**/*", keep_offline)
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    page.on("console", console_error)
+    try:
+        response = page.goto(url, wait_until="load")
+        assert response is not None and response.ok, f"{url}: HTTP {response and response.status}"
+        yield page, problems
+    finally:
+        page.close()
+
+
+def broken_images(page):
+    """Names of the <img> elements that did not load (every image counts, animation frames included)."""
+    # Lazy images only load near the viewport: make them eager and bring each into view.
+    page.evaluate("() => { for (const img of document.images) { img.loading = 'eager'; img.scrollIntoView(); } }")
+    with contextlib.suppress(PlaywrightTimeoutError):  # the list below names whatever never finished
+        page.wait_for_function("() => [...document.images].every(img => img.src && img.complete)", timeout=10_000)
+    return page.evaluate("""() => [...document.images]
+        .filter(img => !(img.complete && img.naturalWidth > 0))
+        .map(img => 'broken image: ' + (img.id || img.getAttribute('src') || img.outerHTML).slice(0, 120))""")
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_page_renders_offline_without_errors(browser, base_url, page_path):
+    with opened(browser, base_url + page_path) as (page, problems):
+        problems.extend(broken_images(page))
+    assert not problems, f"{page_path}:\n" + "\n".join(problems)
+
+
+# Collected only when there is something to check: before any chapter is written there is no animation, and an
+# empty parametrization would show up as a skip. Once chapters exist, at least one must carry an animation.
+if CHAPTER_PAGES or SLIDER_PAGES:
+
+    def test_animation_sliders_change_frame(browser, base_url):
+        if CHAPTER_PAGES:
+            assert set(SLIDER_PAGES) & set(CHAPTER_PAGES), "no chapter page has a matplotlib to_jshtml animation"
+        for page_path in SLIDER_PAGES:
+            with opened(browser, base_url + page_path) as (page, problems):
+                sliders = page.locator("input.anim-slider").all()
+                assert sliders, f"{page_path}: the HTML has an anim-slider but the browser shows none"
+                for slider in sliders:
+                    check_slider(page, page_path, slider)
+            assert not problems, f"{page_path}:\n" + "\n".join(problems)
+
+
+def check_slider(page, page_path, slider):
+    image = page.locator("#" + slider.get_attribute("id").replace("_anim_slider", "_anim_img"))
+    expect(image).to_have_attribute("src", re.compile("."))  # set once the Animation object exists
+    last_frame = int(slider.get_attribute("max"))
+    assert last_frame >= 1, f"{page_path}: animation {slider.get_attribute('id')} has a single frame"
+    frame_before = image.get_attribute("src")
+    next_frame = (int(slider.input_value()) + 1) % (last_frame + 1)
+    # matplotlib's template listens with oninput (it switches to onchange only on Internet Explorer), and setting
+    # .value from script fires no event, so the event is dispatched by hand, as a user's drag would.
+    slider.evaluate("(el, value) => { el.value = value; el.dispatchEvent(new Event('input', {bubbles: true})); }",
+                    str(next_frame))
+    expect(image, f"{page_path}: moving the slider to frame {next_frame} did not change the image") \
+        .not_to_have_attribute("src", frame_before)
+    page.wait_for_function("img => img.complete", arg=image.element_handle())
+    assert image.evaluate("img => img.naturalWidth") > 0, f"{page_path}: frame {next_frame} does not decode"
+
