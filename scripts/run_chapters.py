@@ -23,6 +23,8 @@ def run(path: Path) -> float:
     started = time.perf_counter()
     client.execute()
     seconds = time.perf_counter() - started
+    # Live widgets need a kernel; their saved state would make the rendered book load ipywidgets from a CDN.
+    notebook.metadata.pop("widgets", None)
     nbformat.write(notebook, path)
     return seconds
 
