@@ -6,6 +6,7 @@ Every figure is made from a real run recorded by kvbook.trace.Tracer; nothing he
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,7 +164,9 @@ def scrubber_animation(recording: DecodeRecording, layer: int = 0, head: int = 0
     fig.tight_layout()
     html = animation.to_jshtml(default_mode="once")
     plt.close(fig)
-    return HTML(html)
+    # matplotlib links Font Awesome (the buttons' icons) from a CDN; the book's theme bundles it, and the book
+    # must render offline
+    return HTML(re.sub(r'<link rel="stylesheet"\s+href="https://[^"]*font-awesome[^"]*">', "", html))
 
 
 def scrubber_widget(recording: DecodeRecording, tokenizer):

@@ -142,7 +142,7 @@ def check_slider(page, page_path, slider):
     assert shown, f"{name}: no frame is ever shown"
     last_frame = int(slider.get_attribute("max"))
     assert last_frame >= 1, f"{name}: has a single frame"
-    frame_before = image.get_attribute("src")
+    frame_before = image.evaluate("img => img.src")
     next_frame = (int(slider.input_value()) + 1) % (last_frame + 1)
     # matplotlib's template listens with oninput (it switches to onchange only on Internet Explorer), and setting
     # .value from script fires no event, so the event is dispatched by hand, as a user's drag would.
