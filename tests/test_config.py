@@ -41,7 +41,7 @@ def test_kv_heads_default_to_attention_heads():
 
 @pytest.mark.parametrize("override, fragment", [
     ("model.head_dim=256", "head_dim = 256 does not split the 4096-wide Q/K/V projections into 32 heads"),
-    ("model.head_dim=127", "RoPE rotates pairs"),
+    ("model.head_dim=1365", "set head_dim = hidden_size / num_attention_heads = 128"),
     ("kv_cache.max_cache_len=256", "max_cache_len = 256 is too small for input_len 256 + output_len 128"),
     ("model.hiden_size=4096", "unknown key [model] hiden_size; did you mean 'hidden_size'?"),
     ("modle.hidden_size=4096", "unknown section [modle]; did you mean 'model'?"),
@@ -73,6 +73,11 @@ def test_max_cache_len_bound_is_383_for_256_plus_128():
     assert load_config(ROOT_CONFIG, ["kv_cache.max_cache_len=383"]).kv_cache.max_cache_len == 383
     with pytest.raises(ConfigError, match=">= 383"):
         load_config(ROOT_CONFIG, ["kv_cache.max_cache_len=382"])
+
+
+def test_odd_head_dim_is_refused_for_rope():
+    with pytest.raises(ConfigError, match="RoPE rotates pairs of dimensions, so it must be even"):
+        load_config(ROOT_CONFIG, ["model.head_dim=127", "model.decoupled_head_dim=true"])
 
 
 def test_decoupled_head_dim_is_allowed_when_asked():

@@ -20,12 +20,17 @@ from .config import DTYPE_BYTES, Config, ModelConfig, load_config
 matplotlib.rcParams.update({"figure.dpi": 72, "figure.figsize": (6.4, 3.2), "axes.grid": True, "grid.alpha": 0.3})
 
 
-def book_config(*overrides: str) -> Config:
+def config_path() -> Path:
     """config.toml of the repository the notebook runs in (found from the current directory upwards)."""
     for directory in [Path.cwd(), *Path.cwd().parents]:
         if (directory / "config.toml").is_file():
-            return load_config(directory / "config.toml", list(overrides))
+            return directory / "config.toml"
     raise FileNotFoundError("no config.toml in this directory or above it; start Jupyter in the kvbook repository")
+
+
+def book_config(*overrides: str) -> Config:
+    """The repository's config.toml with --set style overrides, e.g. book_config("kv_cache.enable=false")."""
+    return load_config(config_path(), list(overrides))
 
 
 # ---- chapter 1: parameters and memory ------------------------------------------------------------------------

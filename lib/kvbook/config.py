@@ -69,9 +69,6 @@ class ModelConfig:
                   "num_key_value_heads", "rope_theta")
         if self.seed < 0:
             raise ConfigError(f"[model] seed = {self.seed}: must be >= 0")
-        if self.head_dim % 2:
-            raise ConfigError(f"[model] head_dim = {self.head_dim}: RoPE rotates pairs of dimensions, "
-                              "so it must be even")
         attention_width = self.head_dim * self.num_attention_heads
         if attention_width != self.hidden_size and not self.decoupled_head_dim:
             if self.hidden_size % self.num_attention_heads == 0:
@@ -84,6 +81,9 @@ class ModelConfig:
                 f"into {self.num_attention_heads} heads ({self.num_attention_heads} x {self.head_dim} = "
                 f"{attention_width}); {fix} (or decoupled_head_dim = true for a Qwen3 size whose attention "
                 "width differs on purpose)")
+        if self.head_dim % 2:
+            raise ConfigError(f"[model] head_dim = {self.head_dim}: RoPE rotates pairs of dimensions, "
+                              "so it must be even")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"[model] num_key_value_heads = {self.num_key_value_heads} must divide num_attention_heads = "

@@ -27,6 +27,7 @@ from .weights import (
     attach_prefill_weights,
     build_model,
     checkpoint_config,
+    has_prefill_weights,
     load_checkpoint,
     load_random_weights,
     prefill_copies,
@@ -85,10 +86,11 @@ class Engine:
             weights, prefill = load_random_weights(config.model, self.dtype,
                                                    self.prefill_dtype if separate_prefill else None, progress)
             model = build_model(config.model, weights, self.device)
-        elif separate_prefill:
-            prefill = prefill_copies(config.model, dict(model.named_parameters()), self.prefill_dtype)
-        if separate_prefill:
-            attach_prefill_weights(model, prefill)
+            if separate_prefill:
+                attach_prefill_weights(model, prefill)
+        elif separate_prefill and not has_prefill_weights(model, self.prefill_dtype):  # a model of another Engine
+            attach_prefill_weights(model, prefill_copies(config.model, dict(model.named_parameters()),
+                                                         self.prefill_dtype))
         if self.device.type == "cpu" and self.dtype == torch.float16:
             split_long_inputs(model)
         synchronize(self.device)
@@ -140,7 +142,8 @@ class Engine:
         Closing the generator early (a client that went away) ends the run and frees its cache.
         tracer: a kvbook.trace.Tracer to record shapes, cache lengths and timings of every step.
         """
-        max_new_tokens = max_new_tokens or self.config.inference.output_len
+        if max_new_tokens is None:
+            max_new_tokens = self.config.inference.output_len
         self.check_request(len(input_ids), max_new_tokens)
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")

@@ -98,6 +98,13 @@ def prefill_copies(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
         return dict(zip(names, pool.map(lambda name: weights[name].to(dtype), names), strict=True))
 
 
+def has_prefill_weights(model: Qwen3ForCausalLM, dtype: torch.dtype) -> bool:
+    """Whether every layer matrix already carries a prefill copy in dtype."""
+    names = prefill_weight_names(model.cfg)
+    return all(getattr(model.get_submodule(name.removesuffix(".weight")), "prefill_weight", None) is not None and
+               model.get_submodule(name.removesuffix(".weight")).prefill_weight.dtype == dtype for name in names)
+
+
 def attach_prefill_weights(model: Qwen3ForCausalLM, prefill: dict[str, torch.Tensor]) -> None:
     device = model.lm_head.weight.device
     for name, tensor in prefill.items():
