@@ -94,7 +94,7 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
     with torch.inference_mode():  # one prefill more, to weigh the cache it fills
         engine.model(torch.tensor([prompt], device=engine.device), torch.arange(len(prompt), device=engine.device),
                      cache, compute_dtype=engine.prefill_dtype)
-    return {"ready_s": engine.ready_s, "ttft_ms": _spread(ttft), "tpot_ms": _spread(tpot),
+    return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
             "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": str(engine.prefill_dtype),
             "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length}
 
@@ -136,7 +136,7 @@ def transformers_worker(config: Config, repeats: int, steps: int) -> dict:
         first, step_ms = run(steps + 1)
         ttft.append(first)
         tpot.append(statistics.fmean(step_ms))
-    return {"build_s": build_s, "ttft_ms": _spread(ttft), "tpot_ms": _spread(tpot), "peak_rss_mb": _peak_rss_mb()}
+    return {"build_s": build_s, "ttft_runs": ttft, "tpot_runs": tpot, "peak_rss_mb": _peak_rss_mb()}
 
 
 WORKERS = {"probe": probe_worker, "engine": engine_worker, "transformers": transformers_worker}
@@ -153,26 +153,56 @@ def _run_worker(role: str, config_path: str, overrides: list[str], repeats: int,
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _merge(rounds: list[dict]) -> dict:
+    """Several worker processes of one party -> spreads over all their runs (and the worst peak memory)."""
+    merged = {key: value for key, value in rounds[0].items() if not key.endswith("_runs")}
+    for key in ("ttft", "tpot"):
+        merged[f"{key}_spread"] = _spread([value for r in rounds for value in r[f"{key}_runs"]])
+        merged[f"{key}_ms"] = merged[f"{key}_spread"]["median"]
+    for key in ("ready_s", "build_s"):
+        if key in merged:
+            merged[key] = statistics.median(r[key] for r in rounds)
+    merged["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rounds)
+    return merged
+
+
 def run_bench(config: Config, config_path: str, overrides: list[str], against: str | None = None,
-              repeats: int = 3, steps: int = 32, cold: bool = True, progress=print) -> dict:
-    stages = ["bandwidth probe", "engine (weights from the cache)"] + (["engine (empty cache)"] if cold else []) + (
-        ["transformers"] if against else [])
+              repeats: int = 3, steps: int = 32, cold: bool = True, rounds: int = 2, progress=print) -> dict:
+    """With a peer, the engine and the peer run alternately `rounds` times (A, B, A, B), so that a machine
+    whose speed drifts during the bench weighs on both alike."""
+    rounds = rounds if against else 1
+    stages = ["bandwidth probe"] + (["engine (empty cache)"] if cold else [])
+    for r in range(1, rounds + 1):
+        stages += [f"engine (weights from the cache), round {r}"] + ([f"{against}, round {r}"] if against else [])
     stage = iter(range(1, len(stages) + 1))
 
-    def announce(name: str) -> None:
-        progress(f"kvbook bench: [{next(stage)}/{len(stages)}] {name} ...")
+    def announce() -> None:
+        number = next(stage)
+        progress(f"kvbook bench: [{number}/{len(stages)}] {stages[number - 1]} ...")
 
-    announce(stages[0])
+    announce()
     probe = _run_worker("probe", config_path, overrides, 20, steps)
-    announce(stages[1])
+    cold_ready_s = None
+    if cold:
+        announce()
+        with tempfile.TemporaryDirectory(prefix="kvbook-cold-") as empty:
+            cold_run = _run_worker("engine", config_path, overrides, 1, 2, env={**os.environ, "XDG_CACHE_HOME": empty})
+        cold_ready_s = cold_run["ready_s"]
     _run_worker("engine", config_path, overrides, 0, 1)  # makes sure the weight cache exists (not timed)
-    engine = _run_worker("engine", config_path, overrides, repeats, steps)
+    engine_rounds, peer_rounds = [], []
+    for _ in range(rounds):
+        announce()
+        engine_rounds.append(_run_worker("engine", config_path, overrides, repeats, steps))
+        if against:
+            announce()
+            peer_rounds.append(_run_worker("transformers", config_path, overrides, repeats, steps))
+    engine = _merge(engine_rounds)
     weights_read = decode_weight_bytes(config)
     result = {
-        "ttft_ms": engine["ttft_ms"]["median"], "tpot_ms": engine["tpot_ms"]["median"],
+        "ttft_ms": engine["ttft_ms"], "tpot_ms": engine["tpot_ms"],
         "ready_s": engine["ready_s"], "peak_rss_mb": engine["peak_rss_mb"],
         "floor_ms": weights_read / (probe["probe_gbps"] * 1e9) * 1e3,
-        "ttft_spread": engine["ttft_ms"], "tpot_spread": engine["tpot_ms"],
+        "ttft_spread": engine["ttft_spread"], "tpot_spread": engine["tpot_spread"],
         "probe_gbps": probe["probe_gbps"], "probe_median_gbps": probe["probe_median_gbps"],
         "decode_weight_bytes": weights_read, "weight_bytes": all_weight_bytes(config),
         "kv_cache_bytes": engine["kv_cache_bytes"],
@@ -180,21 +210,16 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
                                                  config.kv_cache.cache_dtype),
         "kv_cache_positions": engine["kv_cache_positions"],
         "device": engine["device"], "dtype": config.inference.dtype, "prefill_dtype": engine["prefill_dtype"],
-        "input_len": config.inference.input_len, "decode_steps": steps, "repeats": repeats,
+        "input_len": config.inference.input_len, "decode_steps": steps, "repeats": repeats, "rounds": rounds,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
     }
-    if cold:
-        announce(stages[2])
-        with tempfile.TemporaryDirectory(prefix="kvbook-cold-") as empty:
-            cold_run = _run_worker("engine", config_path, overrides, 1, 2, env={**os.environ, "XDG_CACHE_HOME": empty})
-        result["cold_ready_s"] = cold_run["ready_s"]
+    if cold_ready_s is not None:
+        result["cold_ready_s"] = cold_ready_s
     if against:
-        announce(stages[-1])
-        peer = _run_worker("transformers", config_path, overrides, repeats, steps)
-        result["transformers"] = {"build_s": peer["build_s"], "ttft_ms": peer["ttft_ms"]["median"],
-                                  "tpot_ms": peer["tpot_ms"]["median"], "peak_rss_mb": peer["peak_rss_mb"],
-                                  "ttft_spread": peer["ttft_ms"], "tpot_spread": peer["tpot_ms"]}
+        peer = _merge(peer_rounds)
+        result["transformers"] = {key: peer[key] for key in ("build_s", "ttft_ms", "tpot_ms", "peak_rss_mb",
+                                                             "ttft_spread", "tpot_spread")}
     result["targets"] = targets(result)
     return result
 
@@ -224,7 +249,7 @@ def format_table(r: dict) -> str:
     peer = r.get("transformers", {})
     lines = [f"kvbook bench on {r['device']} ({r['machine']['cpu_count']} CPUs), {r['dtype']} weights, prefill in "
              f"{r['prefill_dtype'].removeprefix('torch.')}, prompt {r['input_len']}, {r['decode_steps']} decode steps "
-             f"x {r['repeats']} runs (medians)",
+             f"x {r['repeats']} runs x {r['rounds']} rounds (medians)",
              f"{'':28s}{'kvbook':>12s}{'transformers':>14s}"]
 
     def row(label, ours, theirs, fmt):

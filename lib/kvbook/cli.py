@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--against", choices=["transformers"], help="measure transformers' Qwen3ForCausalLM too")
     bench.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (default: %(default)s)")
     bench.add_argument("--steps", type=int, default=32, help="decode steps per run (default: %(default)s)")
+    bench.add_argument("--rounds", type=int, default=2,
+                       help="with --against: alternate engine and peer this many times (default: %(default)s)")
     bench.add_argument("--no-cold", action="store_true", help="skip timing a build into an empty weight cache")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     return parser
@@ -106,10 +108,11 @@ def cmd_trace(config: Config, args) -> None:
 def cmd_bench(config: Config, args) -> None:
     from .bench import format_table, run_bench
 
-    if args.repeats < 1 or args.steps < 1:
-        raise ConfigError("--repeats and --steps must be >= 1")
+    if min(args.repeats, args.steps, args.rounds) < 1:
+        raise ConfigError("--repeats, --steps and --rounds must be >= 1")
     result = run_bench(config, args.config, args.overrides, args.against, args.repeats, args.steps,
-                       cold=not args.no_cold, progress=lambda line: print(line, file=sys.stderr, flush=True))
+                       cold=not args.no_cold, rounds=args.rounds,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(result) if args.json else format_table(result))
 
 

@@ -1,0 +1,46 @@
+"""python -m kvbook bench on a tiny model: the JSON fields the book and BENCHMARKS.md read, the exact KV-cache
+bytes, and the peer measured in the same run. (Speed is measured by the bench, never asserted here.)"""
+
+import json
+import subprocess
+import sys
+
+from kvbook.bench import decode_weight_bytes, targets
+from kvbook.config import Config, ModelConfig
+
+from .test_cli import TINY
+
+
+def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
+    import os
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    result = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--json", "--steps", "2", "--repeats", "1",
+                             "--rounds", "1", "--against", "transformers", *TINY], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout)
+    for key in ("ttft_ms", "tpot_ms", "ready_s", "peak_rss_mb", "floor_ms", "cold_ready_s", "probe_gbps"):
+        assert out[key] > 0, key
+    assert out["kv_cache_bytes"] == out["kv_cache_bytes_formula"] == 2 * 1 * 2 * 16 * 256 * 4
+    assert set(out["transformers"]) >= {"build_s", "ttft_ms", "tpot_ms", "peak_rss_mb"}
+    assert set(out["targets"]) >= {"tpot_vs_floor", "tpot_vs_transformers", "ttft_vs_transformers",
+                                   "cold_ready_vs_transformers_build", "kv_cache_bytes_exact"}
+    assert "kvbook bench: [1/" in result.stderr  # progress lines
+
+
+def test_decode_reads_every_weight_but_the_embedding():
+    untied = Config()
+    assert decode_weight_bytes(untied) == 2 * (3 * 202383616 + 4096 + 151936 * 4096)  # 2.46 GB
+    tied = untied.replace(model={"tie_word_embeddings": True})
+    assert decode_weight_bytes(tied) == decode_weight_bytes(untied)  # lm_head is the table, read whole
+    assert ModelConfig().vocab_size == 151936
+
+
+def test_targets_compare_ratios_with_their_limits():
+    result = {"tpot_ms": 60.0, "floor_ms": 50.0, "peak_rss_mb": 4000.0, "weight_bytes": 3703629312,
+              "kv_cache_bytes": 10, "kv_cache_bytes_formula": 11, "ttft_ms": 500.0, "ready_s": 0.3,
+              "transformers": {"tpot_ms": 100.0, "ttft_ms": 5000.0, "build_s": 12.0}}
+    t = targets(result)
+    assert t["tpot_vs_floor"] == {"ratio": 1.2, "limit": 1.2, "met": True}
+    assert t["tpot_vs_transformers"]["met"] is True and t["ttft_vs_transformers"]["ratio"] == 0.1
+    assert t["kv_cache_bytes_exact"]["met"] is False
