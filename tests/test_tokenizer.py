@@ -59,3 +59,14 @@ def test_bad_messages_are_clear_errors():
         tok.apply_chat_template([{"role": "robot", "content": "hi"}])
     with pytest.raises(ValueError, match="content must be a string"):
         tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}])
+
+
+def test_messages_of_exact_prompt_length_end_with_the_question():
+    from kvbook.tokenizer import messages_of_length
+
+    tok = get_default_tokenizer()
+    question = "Explain in 128 characters the role of the KV cache."
+    for length in (40, 256, 513):
+        messages = messages_of_length(length, question)
+        assert len(tok.apply_chat_template(messages)) == length
+        assert messages[0]["role"] == "user" and messages[0]["content"].endswith(question)

@@ -1,4 +1,4 @@
-"""python -m kvbook: trace | generate | bench.
+"""python -m kvbook: trace | generate | serve | bench.
 
 Every command takes --config PATH (default ./config.toml) and repeatable --set section.key=value.
 A user mistake (bad flag, bad path, bad config) prints one line on stderr and exits with code 2.
@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="always produce max-new-tokens tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _common(serve)
+    serve.add_argument("--host", help="address to bind (default: the host of [server] api_base, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: the port of [server] api_base, 8000)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="info (default) logs every decode step's cache lengths; warning keeps quiet")
+
     bench = commands.add_parser("bench", help="measure TTFT, TPOT, model-ready time, memory and the decode floor")
     _common(bench)
     bench.add_argument("--against", choices=["transformers"], help="measure transformers' Qwen3ForCausalLM too")
@@ -103,6 +110,26 @@ def cmd_trace(config: Config, args) -> None:
     tpot = f"{run.tpot_ms:.1f}" if run.tpot_ms is not None else "-"
     print(f"model ready in {engine.ready_s:.1f} s; TTFT {run.ttft_ms:.1f} ms, TPOT {tpot} ms, "
           f"{len(run.output_ids)} tokens, final cache_len {run.cache_len}")
+
+
+def cmd_serve(config: Config, args) -> None:
+    import logging
+    from urllib.parse import urlparse
+
+    import uvicorn
+
+    from .engine import Engine
+    from .server import create_app
+
+    base = urlparse(config.server.api_base)
+    host = args.host or base.hostname or "127.0.0.1"
+    port = args.port if args.port is not None else (base.port or 8000)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(config)
+    key_state = "required" if os.environ.get(config.server.api_key_env) else "not required"
+    print(f"kvbook: serving {config.model.name!r} on {engine.device} at http://{host}:{port}{base.path}"
+          f"{config.server.model_endpoint} (API key {key_state}: {config.server.api_key_env})", file=sys.stderr)
+    uvicorn.run(create_app(engine), host=host, port=port, log_level=args.log_level)
 
 
 def cmd_bench(config: Config, args) -> None:
@@ -174,12 +201,15 @@ def _flag_overrides(args) -> list[str]:
     return extra
 
 
+COMMANDS = {"trace": cmd_trace, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda message, category, *rest: f"kvbook: warning: {message}\n"
     try:
         args = build_parser().parse_args(argv)
         config = load_config(args.config, args.overrides + _flag_overrides(args))
-        {"trace": cmd_trace, "generate": cmd_generate, "bench": cmd_bench}[args.command](config, args)
+        COMMANDS[args.command](config, args)
     except (ConfigError, CheckpointError, CacheFullError, ValueError, OSError) as err:
         if os.environ.get("KVBOOK_DEBUG"):
             raise

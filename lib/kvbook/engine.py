@@ -44,6 +44,7 @@ class Step:
     ms: float  # the forward pass and the choice of the token, synchronized
     cache_len: int  # positions in every layer's cache after this step (0 with the cache disabled)
     positions_computed: int  # 256 in prefill; 1 per decode step with the cache, the whole sequence without
+    cache_lens: tuple[int, ...] = ()  # each layer's cache length after this step (empty with the cache disabled)
 
 
 @dataclass
@@ -167,7 +168,8 @@ class Engine:
                 token = sample_next(logits[0, -1], temperature, top_p, generator)
                 synchronize(self.device)
                 ms = (time.perf_counter() - started) * 1e3
-            step = Step(index, phase, token, ms, cache.length if cache is not None else 0, ids.shape[1])
+            step = Step(index, phase, token, ms, cache.length if cache is not None else 0, ids.shape[1],
+                        tuple(cache.lengths()) if cache is not None else ())
             if tracer:
                 tracer.add_step(step, prompt_len)
             yield step

@@ -74,3 +74,30 @@ def build_prompt_ids(length: int, tokenizer: Tokenizer | None = None, text: str 
     body = tokenizer.encode(text or sample_text())
     body = (body * (room // len(body) + 1))[:room]
     return prefix + body + suffix
+
+
+def messages_of_length(length: int, question: str, tokenizer: Tokenizer | None = None) -> list[dict]:
+    """One user message — some real context text, then `question` — whose chat prompt is exactly `length`
+    tokens (the article's request, made 256 tokens long). Raises ValueError if no cut of the text fits."""
+    tokenizer = tokenizer or get_default_tokenizer()
+    words = (sample_text() + " ") * (length // 100 + 1)
+    words = words.split(" ")
+
+    def prompt_len(n_words: int) -> int:
+        return len(tokenizer.apply_chat_template([{"role": "user", "content": _context(words, n_words, question)}]))
+
+    low, high = 0, len(words)
+    while low < high:  # the smallest number of context words whose prompt is at least `length` tokens
+        middle = (low + high) // 2
+        if prompt_len(middle) < length:
+            low = middle + 1
+        else:
+            high = middle
+    for n_words in (low, low - 1, low + 1):
+        if n_words >= 0 and prompt_len(n_words) == length:
+            return [{"role": "user", "content": _context(words, n_words, question)}]
+    raise ValueError(f"no message of exactly {length} tokens; try a nearby length")
+
+
+def _context(words: list[str], n_words: int, question: str) -> str:
+    return (" ".join(words[:n_words]) + "\n\n" + question) if n_words else question
