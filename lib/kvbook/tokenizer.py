@@ -77,27 +77,25 @@ def build_prompt_ids(length: int, tokenizer: Tokenizer | None = None, text: str 
 
 
 def messages_of_length(length: int, question: str, tokenizer: Tokenizer | None = None) -> list[dict]:
-    """One user message — some real context text, then `question` — whose chat prompt is exactly `length`
-    tokens (the article's request, made 256 tokens long). Raises ValueError if no cut of the text fits."""
+    """One user message — real context text, then `question` — whose chat prompt is exactly `length` tokens
+    (the article's request, made 256 tokens long). Raises ValueError if no cut of the text fits."""
     tokenizer = tokenizer or get_default_tokenizer()
-    words = (sample_text() + " ") * (length // 100 + 1)
-    words = words.split(" ")
+    context = sample_text() * (length // 500 + 1)
 
-    def prompt_len(n_words: int) -> int:
-        return len(tokenizer.apply_chat_template([{"role": "user", "content": _context(words, n_words, question)}]))
+    def message(chars: int) -> list[dict]:
+        return [{"role": "user", "content": f"{context[:chars]}\n\n{question}" if chars else question}]
 
-    low, high = 0, len(words)
-    while low < high:  # the smallest number of context words whose prompt is at least `length` tokens
+    def prompt_len(chars: int) -> int:
+        return len(tokenizer.apply_chat_template(message(chars)))
+
+    low, high = 0, len(context)
+    while low < high:  # the shortest context whose prompt has at least `length` tokens
         middle = (low + high) // 2
         if prompt_len(middle) < length:
             low = middle + 1
         else:
             high = middle
-    for n_words in (low, low - 1, low + 1):
-        if n_words >= 0 and prompt_len(n_words) == length:
-            return [{"role": "user", "content": _context(words, n_words, question)}]
-    raise ValueError(f"no message of exactly {length} tokens; try a nearby length")
-
-
-def _context(words: list[str], n_words: int, question: str) -> str:
-    return (" ".join(words[:n_words]) + "\n\n" + question) if n_words else question
+    for chars in range(max(low - 8, 0), low + 8):
+        if prompt_len(chars) == length:
+            return message(chars)
+    raise ValueError(f"no message of exactly {length} tokens ends with this question; try a nearby length")
