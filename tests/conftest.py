@@ -3,11 +3,11 @@ from kvbook.config import Config, InferenceConfig, KVCacheConfig, ModelConfig
 
 
 def small_config(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, tied=False, dtype="float32",
-                 max_cache_len=64, enable=True, vocab=1000, output_len=6) -> Config:
+                 max_cache_len=64, enable=True, vocab=1000, output_len=6, max_positions=256) -> Config:
     """A tiny model for parity and engine tests (never for the book: the book runs the full size)."""
     model = ModelConfig(name="tiny", num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                         num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=2 * hidden,
-                        vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=tied,
+                        vocab_size=vocab, max_position_embeddings=max_positions, tie_word_embeddings=tied,
                         decoupled_head_dim=heads * head_dim != hidden)
     return Config(model=model,
                   inference=InferenceConfig(input_len=12, output_len=output_len, dtype=dtype, device="cpu"),

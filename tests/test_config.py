@@ -59,6 +59,8 @@ def test_kv_heads_default_to_attention_heads():
     ("server.api_base=localhost", "must be an http(s) URL"),
     ("inference.max_cache_len=1", "unknown key [inference] max_cache_len"),
     ("kv_cache", "expected section.key=value"),
+    ("kv_cache.layout=blocks", "[kv_cache] layout = 'blocks': must be one of 'contiguous', 'paged'"),
+    ("kv_cache.pool_mib=-1", "[kv_cache] pool_mib = -1: must be >= 0"),
 ])
 def test_bad_settings_are_one_line_errors_naming_the_key(override, fragment):
     with pytest.raises(ConfigError) as err:
@@ -121,3 +123,10 @@ def test_kv_cache_bytes_formula():
     # 2 (K and V) x 3 layers x 32 kv heads x 128 x 383 positions x 2 bytes
     assert kv_cache_bytes(ModelConfig(), 383, "float16") == 2 * 3 * 32 * 128 * 383 * 2
     assert kv_cache_bytes(ModelConfig(num_key_value_heads=8), 383, "float32") == 2 * 3 * 8 * 128 * 383 * 4
+
+
+def test_a_paged_pool_too_small_for_one_sequence_is_refused():
+    with pytest.raises(ConfigError, match=r"pool_mib = 1 holds 1 blocks of 16 positions, fewer than one sequence"):
+        load_config(ROOT_CONFIG, ["kv_cache.layout=paged", "kv_cache.pool_mib=1"])
+    cfg = load_config(ROOT_CONFIG, ["kv_cache.layout=paged", "kv_cache.pool_mib=18"])  # 24 blocks: 384 positions
+    assert cfg.kv_cache.pool_mib == 18

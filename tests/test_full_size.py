@@ -1,5 +1,6 @@
 """The real 1.85B-parameter model (the article's config, float16) on this machine's device: the shape
-checklist of `python -m kvbook trace --json`, with cache_len 257 ... 383.
+checklist of `python -m kvbook trace --json`, with cache_len 257 ... 383, for the contiguous cache and for the
+paged one (blocks 16 ... 24, same tokens).
 
 The weights come from the user's cache (~/.cache/kvbook, built on first use), like a reader's run."""
 
@@ -7,13 +8,23 @@ import json
 import subprocess
 import sys
 
+import pytest
 
-def test_trace_json_full_size_checklist():
-    result = subprocess.run([sys.executable, "-m", "kvbook", "trace", "--json"], capture_output=True, text=True,
-                            timeout=1800)
+
+def trace(*overrides):
+    result = subprocess.run([sys.executable, "-m", "kvbook", "trace", "--json", *overrides], capture_output=True,
+                            text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-2000:]
-    trace = json.loads(result.stdout)
-    pre, decode = trace["prefill"], trace["decode"]
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def contiguous():
+    return trace()
+
+
+def test_trace_json_full_size_checklist(contiguous):
+    pre, decode = contiguous["prefill"], contiguous["decode"]
     assert pre["input_ids"] == [256]
     assert pre["embedding"] == [1, 256, 4096]
     assert [layer["output"] for layer in pre["layers"]] == [[1, 256, 4096]] * 3
@@ -27,6 +38,16 @@ def test_trace_json_full_size_checklist():
         assert step["attention_weights"] == [1, 32, 1, 256 + i]
         assert step["output"] == [1, 1, 4096] and step["logits"] == [1, 1, 151936]
     assert [step["cache_len"] for step in decode] == list(range(257, 384))
-    assert len(trace["output_ids"]) == 128 and all(0 <= t < 151936 for t in trace["output_ids"])
-    assert trace["output_ids"][0] == pre["first_token"]
-    assert trace["dtype"] == "float16"
+    assert len(contiguous["output_ids"]) == 128 and all(0 <= t < 151936 for t in contiguous["output_ids"])
+    assert contiguous["output_ids"][0] == pre["first_token"]
+    assert contiguous["dtype"] == "float16" and "blocks" not in pre
+
+
+def test_paged_trace_reports_blocks_and_gives_the_same_tokens(contiguous):
+    paged = trace("--set", "kv_cache.layout=paged")
+    assert paged["prefill"]["blocks"] == 16
+    assert [step["cache_len"] for step in paged["decode"]] == list(range(257, 384))
+    assert [step["blocks"] for step in paged["decode"]] == [-(-n // 16) for n in range(257, 384)]
+    assert paged["decode"][-1]["blocks"] == 24
+    assert paged["decode"][0]["k"] == [1, 32, 257, 128]
+    assert paged["output_ids"] == contiguous["output_ids"]

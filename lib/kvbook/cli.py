@@ -103,10 +103,14 @@ def cmd_trace(config: Config, args) -> None:
         print(f"  cache K{c['layer']} V{c['layer']}                {_fmt(c['k'])} {_fmt(c['v'])}")
     print(f"  attention weights         {_fmt(pre['attention_weights'])}")
     print(f"  logits (last position)    {_fmt(pre['logits'])} -> first token {pre['first_token']}")
+    if "blocks" in pre:
+        print(f"  paged cache: {pre['blocks']} blocks of {config.kv_cache.block_size} positions")
     print(f"decode ({len(result['decode'])} steps)")
     for d in result["decode"]:
+        blocks = f"  blocks {d['blocks']}" if "blocks" in d else ""
         print(f"  step {d['step']:3d}: input {_fmt(d['input'])}  Q {_fmt(d['q'])}  K/V {_fmt(d['k'])}  "
-              f"attention {_fmt(d['attention_weights'])}  logits {_fmt(d['logits'])}  cache_len {d['cache_len']}")
+              f"attention {_fmt(d['attention_weights'])}  logits {_fmt(d['logits'])}  cache_len {d['cache_len']}"
+              f"{blocks}")
     tpot = f"{run.tpot_ms:.1f}" if run.tpot_ms is not None else "-"
     print(f"model ready in {engine.ready_s:.1f} s; TTFT {run.ttft_ms:.1f} ms, TPOT {tpot} ms, "
           f"{len(run.output_ids)} tokens, final cache_len {run.cache_len}")

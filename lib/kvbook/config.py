@@ -122,10 +122,15 @@ class KVCacheConfig:
     cache_dtype: str = "float16"
     max_cache_len: int = 4096
     block_size: int = 16
+    layout: str = "contiguous"  # or "paged": blocks of block_size positions from a shared pool (chapter 10)
+    pool_mib: int = 0  # paged: the pool's memory; 0 = what the contiguous cache reserves (max_cache_len)
 
     def __post_init__(self) -> None:
         _positive("kv_cache", self, "max_cache_len", "block_size")
         _one_of("kv_cache", "cache_dtype", self.cache_dtype, DTYPE_BYTES)
+        _one_of("kv_cache", "layout", self.layout, ["contiguous", "paged"])
+        if self.pool_mib < 0:
+            raise ConfigError(f"[kv_cache] pool_mib = {self.pool_mib}: must be >= 0 (0 = max_cache_len's worth)")
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,16 @@ class Config:
             raise ConfigError(
                 f"[inference] input_len + output_len - 1 = {needed} exceeds [model] max_position_embeddings = "
                 f"{model.max_position_embeddings}; shorten the run or raise max_position_embeddings")
-        if kv.enable and kv.max_cache_len < needed:
+        if kv.enable and kv.layout == "paged" and kv.pool_mib:
+            from .paged_cache import blocks_for_budget
+
+            blocks = blocks_for_budget(model, kv)
+            if blocks * kv.block_size < needed:
+                raise ConfigError(
+                    f"[kv_cache] pool_mib = {kv.pool_mib} holds {blocks} blocks of {kv.block_size} positions, fewer "
+                    f"than one sequence of input_len {inf.input_len} + output_len {inf.output_len} needs "
+                    f"({needed} positions); raise pool_mib")
+        elif kv.enable and kv.max_cache_len < needed:
             raise ConfigError(
                 f"[kv_cache] max_cache_len = {kv.max_cache_len} is too small for input_len {inf.input_len} + "
                 f"output_len {inf.output_len}: decode would stop at position {kv.max_cache_len}; set "

@@ -21,6 +21,7 @@ from .device import TORCH_DTYPES, resolve_device, resolve_prefill_dtype, synchro
 from .kv_cache import CacheFullError, KVCache
 from .linear import split_long_inputs
 from .model import Qwen3ForCausalLM
+from .paged_cache import BlockPool, PagedKVCache
 from .sampling import sample_next
 from .tokenizer import EOS_IDS
 from .weights import (
@@ -45,6 +46,7 @@ class Step:
     cache_len: int  # positions in every layer's cache after this step (0 with the cache disabled)
     positions_computed: int  # 256 in prefill; 1 per decode step with the cache, the whole sequence without
     cache_lens: tuple[int, ...] = ()  # each layer's cache length after this step (empty with the cache disabled)
+    blocks: int | None = None  # paged layout: blocks the sequence holds after this step
 
 
 @dataclass
@@ -98,6 +100,9 @@ class Engine:
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config
         self.model = model
+        # the paged layout's pool of blocks, shared by every sequence this engine runs
+        self.pool = BlockPool(config.model, config.kv_cache, self.device) if config.kv_cache.layout == "paged" \
+            else None
 
     @classmethod
     def from_checkpoint(cls, config: Config, directory: str | Path, num_layers: int | None = None) -> Engine:
@@ -112,10 +117,16 @@ class Engine:
     def model_config(self) -> ModelConfig:
         return self.config.model
 
-    def new_cache(self) -> KVCache | None:
-        if not self.config.kv_cache.enable:
+    def new_cache(self) -> KVCache | PagedKVCache | None:
+        """A cache for one sequence: contiguous, a sequence in the engine's block pool (free it when done), or
+        None when the cache is disabled."""
+        kv = self.config.kv_cache
+        if not kv.enable:
             return None
-        return KVCache(self.config.model, self.config.kv_cache, self.device)
+        if kv.layout == "paged":
+            return PagedKVCache(self.pool, self.config.model.num_hidden_layers,
+                                self.config.model.max_position_embeddings)
+        return KVCache(self.config.model, kv, self.device)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         """Refuse, before any work, a request that the positions or the cache cannot hold."""
@@ -129,7 +140,13 @@ class Engine:
             raise ValueError(f"{prompt_len} prompt + {max_new_tokens} new tokens need {needed} positions but "
                              f"max_position_embeddings is {limit}; shorten the prompt or max_new_tokens")
         kv = self.config.kv_cache
-        if kv.enable and needed > kv.max_cache_len:
+        if kv.enable and kv.layout == "paged":
+            capacity = self.pool.num_blocks * self.pool.block_size
+            if needed > capacity:
+                raise CacheFullError(
+                    f"{prompt_len} prompt + {max_new_tokens} new tokens need {needed} cache positions but the whole "
+                    f"block pool holds {capacity}; raise [kv_cache] pool_mib or generate fewer tokens")
+        elif kv.enable and needed > kv.max_cache_len:
             raise CacheFullError(
                 f"{prompt_len} prompt + {max_new_tokens} new tokens need {needed} cache positions but "
                 f"max_cache_len is {kv.max_cache_len}; raise [kv_cache] max_cache_len to at least {needed} "
@@ -152,6 +169,14 @@ class Engine:
         if temperature > 0:
             generator = torch.Generator(self.device).manual_seed(seed if seed is not None else 0)
         cache = self.new_cache()
+        try:
+            yield from self._steps(cache, input_ids, max_new_tokens, temperature, top_p, generator, ignore_eos,
+                                   tracer)
+        finally:
+            if isinstance(cache, PagedKVCache):
+                cache.free()  # the blocks go back to the pool, also when the caller stops early
+
+    def _steps(self, cache, input_ids, max_new_tokens, temperature, top_p, generator, ignore_eos, tracer):
         sequence = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, 256]
         prompt_len = sequence.shape[1]
 
@@ -169,7 +194,8 @@ class Engine:
                 synchronize(self.device)
                 ms = (time.perf_counter() - started) * 1e3
             step = Step(index, phase, token, ms, cache.length if cache is not None else 0, ids.shape[1],
-                        tuple(cache.lengths()) if cache is not None else ())
+                        tuple(cache.lengths()) if cache is not None else (),
+                        cache.num_blocks if isinstance(cache, PagedKVCache) else None)
             if tracer:
                 tracer.add_step(step, prompt_len)
             yield step

@@ -80,7 +80,7 @@ class Tracer:
     def add_step(self, step, prompt_len: int) -> None:
         self.step_rows.append({"phase": step.phase, "step": step.index, "token_id": step.token_id,
                                "positions_computed": step.positions_computed, "cache_len": step.cache_len,
-                               "ms": step.ms, "prompt_len": prompt_len})
+                               "ms": step.ms, "prompt_len": prompt_len, "blocks": step.blocks})
 
     @property
     def modules(self) -> pd.DataFrame:
@@ -126,6 +126,9 @@ def checklist(tracer: Tracer, output_ids: list[int]) -> dict:
         "cache_len": steps[0]["cache_len"],
         "first_token": steps[0]["token_id"],
     }
+    paged = steps[0]["blocks"] is not None
+    if paged:
+        prefill["blocks"] = steps[0]["blocks"]
     decode = []
     for row in steps[1:]:
         s = row["step"]
@@ -140,5 +143,5 @@ def checklist(tracer: Tracer, output_ids: list[int]) -> dict:
             "logits": at(s, "lm_head"),
             "cache_len": row["cache_len"],
             "token": row["token_id"],
-        })
+        } | ({"blocks": row["blocks"]} if paged else {}))
     return {"prefill": prefill, "decode": decode, "output_ids": list(output_ids)}
