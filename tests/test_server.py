@@ -168,7 +168,11 @@ def test_a_client_that_disconnects_mid_stream_frees_the_server(server, caplog):
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall((f"POST /api/v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
                       f"\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
-        assert b"chat.completion.chunk" in sock.recv(4096)  # the stream has started
+        received = b""
+        while b"chat.completion.chunk" not in received:  # wait until the stream has started
+            data = sock.recv(4096)
+            assert data, "the server closed the stream before its first chunk"
+            received += data
     reply = post(server, {"model": MODEL, "messages": HELLO, "max_tokens": 3, "ignore_eos": True})
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
     done = [r.getMessage() for r in caplog.records if " done " in r.getMessage()]

@@ -167,11 +167,53 @@ def scrubber_animation(recording: DecodeRecording, layer: int = 0, head: int = 0
     animation = FuncAnimation(fig, lambda i: _draw_step(ax_attention, ax_cache, recording, chosen[i], layer, head),
                               frames=len(chosen), interval=700)
     fig.tight_layout()
-    html = animation.to_jshtml(default_mode="once")
+    html = _offline_jshtml(animation)
     plt.close(fig)
-    # matplotlib links Font Awesome (the buttons' icons) from a CDN; the book's theme bundles it, and the book
-    # must render offline
-    return HTML(re.sub(r'<link rel="stylesheet"\s+href="https://[^"]*font-awesome[^"]*">', "", html))
+    return HTML(html)
+
+
+def _offline_jshtml(animation) -> str:
+    """matplotlib's HTML animation with a slider, minus its Font Awesome link to a CDN: the book's theme bundles
+    the icons, and the book must render offline."""
+    html = animation.to_jshtml(default_mode="once")
+    return re.sub(r'<link rel="stylesheet"\s+href="https://[^"]*font-awesome[^"]*">', "", html)
+
+
+def block_table_animation(block_tables: list[list[int]], cache_lens: list[int], block_size: int,
+                          pool_blocks: int = 0, frames: int = 6):
+    """The paged cache filling, as an animation with a slider: the pool's blocks as a grid, the sequence's
+    blocks coloured in block-table order, the last one partly filled. block_tables[i] and cache_lens[i] are the
+    sequence's block table and length after step i; the grid shows at least pool_blocks blocks."""
+    from IPython.display import HTML
+    from matplotlib.animation import FuncAnimation
+
+    columns = 16
+    pool_blocks = max(pool_blocks, 1 + max(max(table) for table in block_tables if table))
+    rows = -(-pool_blocks // columns)
+    chosen = sorted({round(i * (len(block_tables) - 1) / (frames - 1)) for i in range(frames)})
+    fig, ax = plt.subplots(figsize=(6.4, 0.45 * rows + 1.0))
+
+    def draw(frame: int):
+        i = chosen[frame]
+        ax.clear()
+        fill = torch.zeros(rows * columns)
+        for order, block in enumerate(block_tables[i]):
+            used = min(block_size, cache_lens[i] - order * block_size)
+            fill[block] = used / block_size
+        ax.imshow(fill.reshape(rows, columns).numpy(), cmap="Blues", vmin=0, vmax=1, aspect="auto")
+        for order, block in enumerate(block_tables[i]):
+            ax.text(block % columns, block // columns, str(order), ha="center", va="center", fontsize=7)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.grid(False)
+        ax.set_title(f"step {i}: {cache_lens[i]} positions in {len(block_tables[i])} blocks of {block_size} "
+                     f"(number = place in the block table)", fontsize=9)
+
+    animation = FuncAnimation(fig, draw, frames=len(chosen), interval=700)
+    fig.tight_layout()
+    html = _offline_jshtml(animation)
+    plt.close(fig)
+    return HTML(html)
 
 
 def scrubber_widget(recording: DecodeRecording, tokenizer):
