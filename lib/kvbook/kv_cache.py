@@ -47,17 +47,12 @@ class LayerKVCache:
         return self.v[:, :, :self.length]  # [B, KV, length, D]
 
 
-class KVCache:
-    """One LayerKVCache per decoder layer: K0, V0, K1, V1, K2, V2 for the article's model."""
+class LayeredCache:
+    """What the model needs of a cache, contiguous or paged: one cache per layer, indexed by layer."""
 
-    def __init__(self, model: ModelConfig, kv: KVCacheConfig, device: torch.device, batch: int = 1):
-        self.layers = [
-            LayerKVCache(i, batch, model.num_key_value_heads, kv.max_cache_len, model.head_dim,
-                         TORCH_DTYPES[kv.cache_dtype], device)
-            for i in range(model.num_hidden_layers)
-        ]
+    layers: list
 
-    def __getitem__(self, layer: int) -> LayerKVCache:
+    def __getitem__(self, layer: int):
         return self.layers[layer]
 
     def __len__(self) -> int:
@@ -70,6 +65,17 @@ class KVCache:
 
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]
+
+
+class KVCache(LayeredCache):
+    """One LayerKVCache per decoder layer: K0, V0, K1, V1, K2, V2 for the article's model."""
+
+    def __init__(self, model: ModelConfig, kv: KVCacheConfig, device: torch.device, batch: int = 1):
+        self.layers = [
+            LayerKVCache(i, batch, model.num_key_value_heads, kv.max_cache_len, model.head_dim,
+                         TORCH_DTYPES[kv.cache_dtype], device)
+            for i in range(model.num_hidden_layers)
+        ]
 
     def filled_bytes(self) -> int:
         """Bytes of K and V actually holding positions: 2 x layers x kv_heads x head_dim x length x size."""

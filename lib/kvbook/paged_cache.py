@@ -17,7 +17,7 @@ import torch
 
 from .config import DTYPE_BYTES, KVCacheConfig, ModelConfig
 from .device import TORCH_DTYPES
-from .kv_cache import CacheFullError
+from .kv_cache import CacheFullError, LayeredCache
 
 
 class PoolExhaustedError(CacheFullError):
@@ -98,7 +98,7 @@ class PagedLayerCache:
         return storage[self.sequence.slot_mapping(0, self.length)].transpose(0, 1)[None]
 
 
-class PagedKVCache:
+class PagedKVCache(LayeredCache):
     """One sequence in a BlockPool, with the same interface as kvbook.kv_cache.KVCache."""
 
     def __init__(self, pool: BlockPool, num_layers: int, max_len: int):
@@ -136,22 +136,9 @@ class PagedKVCache:
         for layer in self.layers:
             layer.length = 0
 
-    def __getitem__(self, layer: int) -> PagedLayerCache:
-        return self.layers[layer]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
     @property
     def num_blocks(self) -> int:
         return len(self.block_table)
-
-    def lengths(self) -> list[int]:
-        return [layer.length for layer in self.layers]
 
     def filled_bytes(self) -> int:
         """Bytes of K and V holding positions (as for the contiguous cache)."""
