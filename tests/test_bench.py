@@ -44,3 +44,22 @@ def test_targets_compare_ratios_with_their_limits():
     assert t["tpot_vs_floor"] == {"ratio": 1.2, "limit": 1.2, "met": True}
     assert t["tpot_vs_transformers"]["met"] is True and t["ttft_vs_transformers"]["ratio"] == 0.1
     assert t["kv_cache_bytes_exact"]["met"] is False
+
+
+def test_roofline_json_on_a_tiny_model(tmp_path):
+    import os
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    result = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--roofline", "--json", "--repeats", "1",
+                             *TINY], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout)
+    ops = [row["op"] for row in out["decode"]]
+    assert ops[0] == "embedding" and ops[-1] == "lm_head" and ops.count("attention") == 1  # one layer
+    q_prefill = next(r for r in out["prefill"] if r["op"] == "q_proj")
+    q_decode = next(r for r in out["decode"] if r["op"] == "q_proj")
+    assert q_prefill["flops"] == 2 * 256 * 64 * 64 and q_decode["flops"] == 2 * 1 * 64 * 64
+    assert q_decode["bytes"] == 64 * 64 * 4 + (64 + 64) * 4  # float32 weight, one position in and out
+    assert q_prefill["intensity"] > 10 * q_decode["intensity"]
+    assert out["intensity"]["prefill"] > out["intensity"]["decode"]
+    assert 0 < out["lm_head_share_of_decode"] < 1 and out["bound"]["decode"] == "memory"
+    assert all(row["ms"] >= 0 for row in out["prefill"] + out["decode"])

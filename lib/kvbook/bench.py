@@ -139,7 +139,15 @@ def transformers_worker(config: Config, repeats: int, steps: int) -> dict:
     return {"build_s": build_s, "ttft_runs": ttft, "tpot_runs": tpot, "peak_rss_mb": _peak_rss_mb()}
 
 
-WORKERS = {"probe": probe_worker, "engine": engine_worker, "transformers": transformers_worker}
+def roofline_worker(config: Config, repeats: int, steps: int) -> dict:
+    from .engine import Engine
+    from .roofline import roofline
+
+    return roofline(Engine(config, progress=False), repeats=repeats)
+
+
+WORKERS = {"probe": probe_worker, "engine": engine_worker, "transformers": transformers_worker,
+           "roofline": roofline_worker}
 
 
 # ---- the parent: runs the workers, computes floor and ratios ------------------------------------------
@@ -222,6 +230,36 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
                                                              "ttft_spread", "tpot_spread")}
     result["targets"] = targets(result)
     return result
+
+
+def run_roofline(config_path: str, overrides: list[str], repeats: int = 3, progress=print) -> dict:
+    """The per-op roofline (kvbook.roofline) with this machine's bandwidth probe: which phase is bound by what."""
+    progress("kvbook bench: [1/2] bandwidth probe ...")
+    probe = _run_worker("probe", config_path, overrides, 20, 1)
+    progress("kvbook bench: [2/2] roofline of prefill and one decode step ...")
+    result = _run_worker("roofline", config_path, overrides, repeats, 1)
+    result["peak_gbps"] = probe["probe_gbps"]
+    result["machine_balance"] = result["peak_gflops"] / result["peak_gbps"]  # FLOP per byte at the ridge
+    result["bound"] = {phase: "compute" if intensity > result["machine_balance"] else "memory"
+                       for phase, intensity in result["intensity"].items()}
+    return result
+
+
+def format_roofline(r: dict) -> str:
+    lines = [f"roofline on {r['device']}: peak {r['peak_gflops']:.0f} GFLOP/s ({r['prefill_dtype']} matrix product), "
+             f"{r['peak_gbps']:.1f} GB/s (float16 matrix-vector); ridge at {r['machine_balance']:.1f} FLOP/byte"]
+    for phase in ("prefill", "decode"):
+        what = f"{r['prompt_len']} positions" if phase == "prefill" else f"one step at position {r['prompt_len']}"
+        lines.append(f"{phase} ({what}): intensity {r['intensity'][phase]:.1f} FLOP/byte -> "
+                     f"{r['bound'][phase]}-bound")
+        lines.append(f"  {'op':26s}{'layer':>6s}{'GFLOP':>10s}{'MB':>10s}{'FLOP/B':>8s}{'ms':>9s}{'GFLOP/s':>9s}"
+                     f"{'GB/s':>8s}")
+        for row in r[phase]:
+            layer = "" if row["layer"] is None else str(row["layer"])
+            lines.append(f"  {row['op']:26s}{layer:>6s}{row['flops'] / 1e9:10.3f}{row['bytes'] / 1e6:10.1f}"
+                         f"{row['intensity']:8.1f}{row['ms']:9.2f}{row['gflops']:9.1f}{row['gbps']:8.1f}")
+    lines.append(f"lm_head's share of a decode step: {r['lm_head_share_of_decode']:.0%}")
+    return "\n".join(lines)
 
 
 def targets(r: dict) -> dict:

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=2,
                        help="with --against: alternate engine and peer this many times (default: %(default)s)")
     bench.add_argument("--no-cold", action="store_true", help="skip timing a build into an empty weight cache")
+    bench.add_argument("--roofline", action="store_true",
+                       help="instead: FLOPs, bytes, time and achieved rates of every op in prefill and one decode step")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     return parser
 
@@ -141,9 +143,15 @@ def cmd_bench(config: Config, args) -> None:
 
     if min(args.repeats, args.steps, args.rounds) < 1:
         raise ConfigError("--repeats, --steps and --rounds must be >= 1")
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.roofline:
+        from .bench import format_roofline, run_roofline
+
+        result = run_roofline(args.config, args.overrides, args.repeats, progress=progress)
+        print(json.dumps(result) if args.json else format_roofline(result))
+        return
     result = run_bench(config, args.config, args.overrides, args.against, args.repeats, args.steps,
-                       cold=not args.no_cold, rounds=args.rounds,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+                       cold=not args.no_cold, rounds=args.rounds, progress=progress)
     print(json.dumps(result) if args.json else format_table(result))
 
 

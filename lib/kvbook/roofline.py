@@ -1,0 +1,169 @@
+"""A roofline of every op, for prefill and for one decode step: FLOPs and bytes moved computed from shapes and
+dtypes, time measured per module (synchronized), achieved FLOP/s and GB/s, against this machine's measured
+peaks. `python -m kvbook bench --roofline --json` prints it; chapter 7 ("Latency") reads the same numbers.
+
+Counting rules (one multiply-add = 2 FLOPs; bytes = what must cross the memory bus at least once):
+  linear     2·T·in·out FLOPs;  in·out weight bytes + T·(in + out) activation bytes
+  attention  4·H·T·S·d FLOPs (scores and weighted sum);  K and V of S positions read + scores written and read
+  norm, act  a few FLOPs per element;  their inputs and outputs once
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .config import Config
+from .device import synchronize
+from .engine import Engine
+from .tokenizer import build_prompt_ids
+
+TIMED = ("input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "rope", "o_proj",
+         "post_attention_layernorm", "gate_proj", "up_proj", "down_proj", "self_attn", "mlp")
+
+
+class ModuleTimer:
+    """Forward pre/post hooks that time chosen modules, synchronizing the device around each."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device, self.ms, self.handles = device, {}, []
+        for name, module in model.named_modules():
+            if name.split(".")[-1] in TIMED or name in ("model.embed_tokens", "model.norm", "lm_head"):
+                self.handles.append(module.register_forward_pre_hook(self._start))
+                self.handles.append(module.register_forward_hook(self._stop(name)))
+        self._started = {}
+
+    def _start(self, module, args):
+        synchronize(self.device)
+        self._started[id(module)] = time.perf_counter()
+
+    def _stop(self, name):
+        def hook(module, args, output):
+            synchronize(self.device)
+            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - self._started.pop(id(module))) * 1e3
+        return hook
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _linear(op, layer, t, module, act_bytes, prefill):
+    weight = module.prefill_weight if prefill and module.prefill_weight is not None else module.weight
+    activations = t * (module.in_features + module.out_features) * act_bytes
+    return {"op": op, "layer": layer, "flops": 2 * t * module.in_features * module.out_features,
+            "bytes": weight.numel() * weight.element_size() + activations}
+
+
+def op_costs(engine: Engine, t: int, s: int, act_dtype: torch.dtype, prefill: bool) -> list[dict]:
+    """FLOPs and bytes of every op for T new positions attending to S positions."""
+    m, model = engine.config.model, engine.model
+    a = torch.finfo(act_dtype).bits // 8
+    cache_bytes = torch.finfo(engine.dtype).bits // 8
+    rows = [{"op": "embedding", "layer": None, "flops": 0, "bytes": 2 * t * m.hidden_size * a}]
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        norm = {"flops": 4 * t * m.hidden_size, "bytes": 2 * t * m.hidden_size * a}
+        rows.append({"op": "input_layernorm", "layer": i, **norm})
+        rows += [_linear(name, i, t, getattr(attn, name), a, prefill) for name in ("q_proj", "k_proj", "v_proj")]
+        heads = (m.num_attention_heads + m.num_key_value_heads) * m.head_dim
+        rows.append({"op": "qk_norm + rope", "layer": i, "flops": 10 * t * heads, "bytes": 4 * t * heads * a})
+        rows.append({"op": "attention", "layer": i,
+                     "flops": 4 * m.num_attention_heads * t * s * m.head_dim,
+                     "bytes": 2 * s * m.num_key_value_heads * m.head_dim * cache_bytes  # K and V read
+                     + 2 * m.num_attention_heads * t * s * 4  # float32 scores written, then read
+                     + 2 * t * m.num_attention_heads * m.head_dim * a})
+        rows.append(_linear("o_proj", i, t, attn.o_proj, a, prefill))
+        rows.append({"op": "post_attention_layernorm", "layer": i, **norm})
+        rows += [_linear(name, i, t, getattr(mlp, name), a, prefill) for name in ("gate_proj", "up_proj")]
+        rows.append({"op": "silu * up", "layer": i, "flops": 5 * t * m.intermediate_size,
+                     "bytes": 3 * t * m.intermediate_size * a})
+        rows.append(_linear("down_proj", i, t, mlp.down_proj, a, prefill))
+    rows.append({"op": "final norm", "layer": None, "flops": 4 * t * m.hidden_size, "bytes": 2 * t * m.hidden_size * a})
+    lm_head_act = torch.finfo(engine.dtype).bits // 8
+    rows.append(_linear("lm_head", None, 1, model.lm_head, lm_head_act, False))  # the last position only
+    return rows
+
+
+def _measured_ms(timer: ModuleTimer, row: dict) -> float:
+    layer = f"model.layers.{row['layer']}." if row["layer"] is not None else ""
+    ms = timer.ms
+    if row["op"] == "embedding":
+        return ms["model.embed_tokens"]
+    if row["op"] == "final norm":
+        return ms["model.norm"]
+    if row["op"] == "lm_head":
+        return ms["lm_head"]
+    if row["op"] in ("input_layernorm", "post_attention_layernorm"):
+        return ms[layer + row["op"]]
+    if row["op"].endswith("_proj"):
+        part = "self_attn." if row["op"] in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp."
+        return ms[layer + part + row["op"]]
+    if row["op"] == "qk_norm + rope":
+        return sum(ms[layer + "self_attn." + p] for p in ("q_norm", "k_norm", "rope"))
+    if row["op"] == "attention":  # what the attention block spends outside its projections, norms and RoPE
+        inside = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rope")
+        return ms[layer + "self_attn"] - sum(ms[layer + "self_attn." + p] for p in inside)
+    if row["op"] == "silu * up":
+        return ms[layer + "mlp"] - sum(ms[layer + "mlp." + p] for p in ("gate_proj", "up_proj", "down_proj"))
+    raise KeyError(row["op"])
+
+
+def peak_compute_gflops(engine: Engine, repeats: int = 5) -> float:
+    """Best FLOP/s of a large matrix product in prefill's dtype on the engine's device."""
+    a = torch.randn(256, 4096, dtype=engine.prefill_dtype, device=engine.device)
+    b = torch.randn(11008, 4096, dtype=engine.prefill_dtype, device=engine.device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        synchronize(engine.device)
+        started = time.perf_counter()
+        torch.nn.functional.linear(a, b)
+        synchronize(engine.device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * 256 * 4096 * 11008 / best / 1e9
+
+
+@torch.inference_mode()
+def roofline(engine: Engine, prompt_len: int | None = None, repeats: int = 3) -> dict:
+    """Per-op table for prefill (prompt_len positions) and one decode step after it (medians of repeats)."""
+    config: Config = engine.config
+    prompt_len = prompt_len or config.inference.input_len
+    ids = torch.tensor([build_prompt_ids(prompt_len)], device=engine.device)
+    positions = torch.arange(prompt_len, device=engine.device)
+    phases = {}
+    for phase in ("prefill", "decode"):
+        runs = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            cache = engine.new_cache()
+            if phase == "decode":  # the cache a decode step reads: the prompt, prefilled untimed
+                engine.model(ids, positions, cache, compute_dtype=engine.prefill_dtype)
+            timer = ModuleTimer(engine.model, engine.device)
+            try:
+                if phase == "prefill":
+                    engine.model(ids, positions, cache, compute_dtype=engine.prefill_dtype)
+                else:
+                    engine.model(ids[:, -1:], torch.tensor([prompt_len], device=engine.device), cache)
+            finally:
+                timer.remove()
+                if hasattr(cache, "free"):
+                    cache.free()
+            runs.append(timer)
+        prefill = phase == "prefill"
+        t, s, dtype = (prompt_len, prompt_len, engine.prefill_dtype) if prefill else (1, prompt_len + 1, engine.dtype)
+        rows = op_costs(engine, t, s, dtype, prefill)
+        for row in rows:
+            ms = sorted(_measured_ms(timer, row) for timer in runs[1:])[len(runs[1:]) // 2]
+            row |= {"ms": ms, "intensity": row["flops"] / row["bytes"],
+                    "gflops": row["flops"] / ms / 1e6 if ms > 0 else 0.0,
+                    "gbps": row["bytes"] / ms / 1e6 if ms > 0 else 0.0}
+        phases[phase] = rows
+    decode_ms = sum(r["ms"] for r in phases["decode"])
+    lm_head = next(r for r in phases["decode"] if r["op"] == "lm_head")
+    return {"prefill": phases["prefill"], "decode": phases["decode"], "prompt_len": prompt_len,
+            "peak_gflops": peak_compute_gflops(engine), "device": str(engine.device),
+            "prefill_dtype": str(engine.prefill_dtype).removeprefix("torch."),
+            "decode_dtype": str(engine.dtype).removeprefix("torch."),
+            "lm_head_share_of_decode": lm_head["ms"] / decode_ms,
+            "intensity": {phase: sum(r["flops"] for r in rows) / sum(r["bytes"] for r in rows)
+                          for phase, rows in phases.items()}}
