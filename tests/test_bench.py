@@ -63,3 +63,19 @@ def test_roofline_json_on_a_tiny_model(tmp_path):
     assert out["intensity"]["prefill"] > out["intensity"]["decode"]
     assert 0 < out["lm_head_share_of_decode"] < 1 and out["bound"]["decode"] == "memory"
     assert all(row["ms"] >= 0 for row in out["prefill"] + out["decode"])
+
+
+def test_batch_sweep_reports_tokens_per_second_per_batch_size(tmp_path):
+    import os
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    result = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--batch-sweep", "1,3", "--steps", "2",
+                             "--json", *TINY], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(result.stdout)["sweep"]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        assert abs(r["tokens_per_s"] - r["batch_size"] * 1e3 / r["tpot_ms"]) < 1e-6
+    assert rows[1]["kv_cache_mib"] == 3 * rows[0]["kv_cache_mib"]
+    bad = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--batch-sweep", "1,x"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "expected batch sizes like 1,2,4,8" in bad.stderr

@@ -52,7 +52,6 @@ def test_kv_heads_default_to_attention_heads():
     ("model.num_key_value_heads=5", "num_key_value_heads = 5 must divide num_attention_heads = 32"),
     ("inference.dtype=float64", "[inference] dtype = 'float64': must be one of"),
     ("inference.device=tpu", "[inference] device = 'tpu'"),
-    ("inference.batch_size=4", "batch_size = 4"),
     ("inference.output_len=4000", "exceeds [model] max_position_embeddings = 4096"),
     ("server.api_key='sk-123'", "API keys are never read from the config file"),
     ("server.api_key_env='sk-live-abc'", "must be the NAME of an environment variable"),

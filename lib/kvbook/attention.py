@@ -46,16 +46,26 @@ class Attention(nn.Module):
         self.attn_weights = Probe()  # [1, 32, T, S], the softmax over positions
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerKVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+                cache: LayerKVCache | list | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """cache: one layer's cache, or for a batched decode step a list with one per sequence (x [B, 1, 4096])."""
         batch, length, _ = x.shape  # x [1, T, 4096]; T = 256 in prefill, 1 in decode
         q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim))  # [1, T, 32, 128]
         k = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim))  # [1, T, 32, 128]
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)  # [1, T, 32, 128]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, 32, T, 128]
         q, k = self.rope(q, k, cos, sin)  # RoPE before caching: the cache holds rotated keys
-        if cache is not None:
-            k, v = cache.append(k, v)  # [1, 32, S, 128], S = positions so far (257 at decode step 1)
-        k, v = self.k_cached(k), self.v_cached(v)
+        if isinstance(cache, list):  # batched decode: each sequence appends to and reads its own history
+            out = torch.cat([self._attend(q[b:b + 1], *layer_cache.append(k[b:b + 1], v[b:b + 1]), None)
+                             for b, layer_cache in enumerate(cache)])  # [B, 32, 1, 128]
+        else:
+            if cache is not None:
+                k, v = cache.append(k, v)  # [1, 32, S, 128], S = positions so far (257 at decode step 1)
+            out = self._attend(q, self.k_cached(k), self.v_cached(v), mask)  # [1, 32, T, 128]
+        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # [1, T, 4096]
+        return self.o_proj(out)  # [1, T, 4096]
+
+    def _attend(self, q, k, v, mask):
+        """q [1, 32, T, 128], k and v [1, KV, S, 128] -> [1, 32, T, 128]."""
         # The attention products run in float32, whatever the cache holds: softmax is float32 in transformers
         # too, and on a CPU without float16 arithmetic this is both faster and more exact (chapter 7).
         k = repeat_kv(k, self.num_heads // self.num_kv_heads).float()  # [1, 32, S, 128]
@@ -64,6 +74,4 @@ class Attention(nn.Module):
         if mask is not None:
             scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         weights = self.attn_weights(torch.softmax(scores, dim=-1))  # [1, 32, T, S], each row sums to 1
-        out = torch.matmul(weights, v).to(q.dtype)  # [1, 32, T, 128]
-        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # [1, T, 4096]
-        return self.o_proj(out)  # [1, T, 4096]
+        return torch.matmul(weights, v).to(q.dtype)  # [1, 32, T, 128]

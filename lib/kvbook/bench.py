@@ -78,25 +78,39 @@ def probe_worker(config: Config, repeats: int) -> dict:
 
 def engine_worker(config: Config, repeats: int, steps: int) -> dict:
     from .engine import Engine
-    from .tokenizer import build_prompt_ids
+    from .tokenizer import build_prompt_ids, sample_text
 
     engine = Engine(config, progress=False)
     if repeats == 0:  # only make sure the weight cache exists
         return {"ready_s": engine.ready_s}
+    batch = config.inference.batch_size
     prompt = build_prompt_ids(config.inference.input_len)
+
+    def run():
+        """One run: (TTFT ms, mean decode step ms). With batch_size B > 1, B different prompts of input_len
+        tokens decoded together (Engine.generate_batch); TTFT is then the first sequence's prefill."""
+        if batch == 1:
+            result = engine.generate(prompt, steps + 1, ignore_eos=True)
+            return result.ttft_ms, result.tpot_ms
+        prompts = [build_prompt_ids(config.inference.input_len, text=sample_text()[37 * i:]) for i in range(batch)]
+        results = engine.generate_batch(prompts, steps + 1, ignore_eos=True)
+        return results[0].ttft_ms, results[0].tpot_ms
+
     engine.generate(prompt, min(steps, 4) + 1, ignore_eos=True)  # warm-up
+    if batch > 1:
+        engine.generate_batch([prompt] * batch, 3, ignore_eos=True)  # warm-up of the batched path
     ttft, tpot = [], []
     for _ in range(repeats):
-        run = engine.generate(prompt, steps + 1, ignore_eos=True)
-        ttft.append(run.ttft_ms)
-        tpot.append(run.tpot_ms)
+        first, step = run()
+        ttft.append(first)
+        tpot.append(step)
     cache = engine.new_cache()
     with torch.inference_mode():  # one prefill more, to weigh the cache it fills
         engine.model(torch.tensor([prompt], device=engine.device), torch.arange(len(prompt), device=engine.device),
                      cache, compute_dtype=engine.prefill_dtype)
     return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
             "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": str(engine.prefill_dtype),
-            "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length}
+            "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length, "batch_size": batch}
 
 
 def transformers_worker(config: Config, repeats: int, steps: int) -> dict:
@@ -208,6 +222,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     weights_read = decode_weight_bytes(config)
     result = {
         "ttft_ms": engine["ttft_ms"], "tpot_ms": engine["tpot_ms"],
+        "tokens_per_s": engine["batch_size"] * 1e3 / engine["tpot_ms"], "batch_size": engine["batch_size"],
         "ready_s": engine["ready_s"], "peak_rss_mb": engine["peak_rss_mb"],
         "floor_ms": weights_read / (probe["probe_gbps"] * 1e9) * 1e3,
         "ttft_spread": engine["ttft_spread"], "tpot_spread": engine["tpot_spread"],
@@ -230,6 +245,31 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
                                                              "ttft_spread", "tpot_spread")}
     result["targets"] = targets(result)
     return result
+
+
+def run_batch_sweep(config: Config, config_path: str, overrides: list[str], sizes: list[int], steps: int = 8,
+                    progress=print) -> dict:
+    """TPOT, generated tokens per second and KV-cache memory for each batch size (engine only, one run each)."""
+    rows = []
+    for i, size in enumerate(sizes, start=1):
+        progress(f"kvbook bench: [{i}/{len(sizes)}] batch size {size} ...")
+        r = _run_worker("engine", config_path, overrides + [f"inference.batch_size={size}"], 1, steps)
+        tpot = r["tpot_runs"][0]
+        kv = kv_cache_bytes(config.model, config.inference.input_len + steps, config.kv_cache.cache_dtype, size)
+        rows.append({"batch_size": size, "tpot_ms": tpot, "tokens_per_s": size * 1e3 / tpot,
+                     "kv_cache_mib": kv / 2**20, "peak_rss_mb": r["peak_rss_mb"]})
+    return {"sweep": rows, "device": r["device"], "input_len": config.inference.input_len, "decode_steps": steps,
+            "dtype": config.inference.dtype, "batch_dtype": r["prefill_dtype"].removeprefix("torch.")}
+
+
+def format_batch_sweep(r: dict) -> str:
+    lines = [f"batch sweep on {r['device']}: prompts of {r['input_len']} tokens, {r['decode_steps']} decode steps; "
+             f"a step of 2+ sequences computes in {r['batch_dtype']}",
+             f"{'batch':>6s}{'TPOT ms':>10s}{'tokens/s':>10s}{'KV MiB':>9s}{'peak RSS MiB':>14s}"]
+    for row in r["sweep"]:
+        lines.append(f"{row['batch_size']:6d}{row['tpot_ms']:10.1f}{row['tokens_per_s']:10.1f}"
+                     f"{row['kv_cache_mib']:9.1f}{row['peak_rss_mb']:14.0f}")
+    return "\n".join(lines)
 
 
 def run_roofline(config_path: str, overrides: list[str], repeats: int = 3, progress=print) -> dict:

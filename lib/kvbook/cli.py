@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-cold", action="store_true", help="skip timing a build into an empty weight cache")
     bench.add_argument("--roofline", action="store_true",
                        help="instead: FLOPs, bytes, time and achieved rates of every op in prefill and one decode step")
+    bench.add_argument("--batch-sweep", metavar="SIZES",
+                       help="instead: TPOT, tokens/s and KV memory for each batch size, e.g. 1,2,4,8,16,32")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     return parser
 
@@ -144,6 +146,15 @@ def cmd_bench(config: Config, args) -> None:
     if min(args.repeats, args.steps, args.rounds) < 1:
         raise ConfigError("--repeats, --steps and --rounds must be >= 1")
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.batch_sweep:
+        from .bench import format_batch_sweep, run_batch_sweep
+
+        sizes = _parse_ids(args.batch_sweep) if args.batch_sweep.replace(",", "").isdigit() else []
+        if not sizes or min(sizes) < 1:
+            raise ConfigError(f"--batch-sweep {args.batch_sweep!r}: expected batch sizes like 1,2,4,8")
+        result = run_batch_sweep(config, args.config, args.overrides, sizes, args.steps, progress=progress)
+        print(json.dumps(result) if args.json else format_batch_sweep(result))
+        return
     if args.roofline:
         from .bench import format_roofline, run_roofline
 

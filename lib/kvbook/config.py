@@ -111,9 +111,6 @@ class InferenceConfig:
         _one_of("inference", "prefill_dtype", self.prefill_dtype, ["auto", *DTYPE_BYTES])
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"[inference] device = {self.device!r}: use \"cpu\", \"cuda\" or \"cuda:N\"")
-        if self.batch_size != 1:
-            raise ConfigError(f"[inference] batch_size = {self.batch_size}: this engine runs one sequence at a "
-                              "time; set batch_size = 1")
 
 
 @dataclass(frozen=True)

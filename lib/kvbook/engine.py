@@ -203,6 +203,65 @@ class Engine:
                 return
             sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)  # [1, 256 + index + 1]
 
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | None = None,
+                       ignore_eos: bool = False) -> list[Generation]:
+        """Greedy generation for several prompts at once. Each prompt is prefilled on its own (so prompts may
+        differ in length), then every decode step feeds the last token of every unfinished sequence together,
+        input [B, 1]: each weight is read once for B tokens. A sequence leaves the batch when it stops (EOS or
+        max_new_tokens); its cache is freed at the end. Each Step's ms is the time of the whole batch step.
+
+        On a CPU a decode step of two or more sequences computes in prefill_dtype (bfloat16): float16 matrix
+        products of several rows are ~8x slower there (kvbook.linear); lm_head gets a bfloat16 copy for it."""
+        if not self.config.kv_cache.enable:
+            raise ValueError("batched generation needs the KV cache; set kv_cache.enable = true")
+        if max_new_tokens is None:
+            max_new_tokens = self.config.inference.output_len
+        for prompt in prompts:
+            self.check_request(len(prompt), max_new_tokens)
+        if len(prompts) > 1 and self.prefill_dtype != self.dtype and self.model.lm_head.prefill_weight is None:
+            self.model.lm_head.prefill_weight = self.model.lm_head.weight.to(self.prefill_dtype)
+        caches = [self.new_cache() for _ in prompts]
+        steps: list[list[Step]] = [[] for _ in prompts]
+
+        def record(b, index, phase, token, ms, computed):
+            cache = caches[b]
+            steps[b].append(Step(index, phase, token, ms, cache.length, computed, tuple(cache.lengths()),
+                                 cache.num_blocks if isinstance(cache, PagedKVCache) else None))
+
+        def running(b):
+            last = steps[b][-1].token_id
+            return len(steps[b]) < max_new_tokens and (ignore_eos or last not in EOS_IDS)
+
+        try:
+            for b, prompt in enumerate(prompts):
+                started = time.perf_counter()
+                logits = self.model(torch.tensor([prompt], device=self.device),
+                                    torch.arange(len(prompt), device=self.device), caches[b],
+                                    compute_dtype=self.prefill_dtype)  # [1, 1, 151936]
+                token = int(logits[0, -1].argmax())
+                record(b, 0, "prefill", token, (time.perf_counter() - started) * 1e3, len(prompt))
+            for index in range(1, max_new_tokens):
+                active = [b for b in range(len(prompts)) if running(b)]
+                if not active:
+                    break
+                ids = torch.tensor([[steps[b][-1].token_id] for b in active], device=self.device)  # [B, 1]
+                positions = torch.tensor([caches[b].length for b in active], device=self.device)  # [B]
+                dtype = self.prefill_dtype if len(active) > 1 else self.dtype
+                started = time.perf_counter()
+                logits = self.model(ids, positions, [caches[b] for b in active], compute_dtype=dtype)  # [B, 1, V]
+                tokens = logits[:, -1].argmax(-1).tolist()
+                ms = (time.perf_counter() - started) * 1e3
+                for b, token in zip(active, tokens, strict=True):
+                    record(b, index, "decode", token, ms, 1)
+        finally:
+            for cache in caches:
+                if isinstance(cache, PagedKVCache):
+                    cache.free()
+        return [Generation(list(prompt), [s.token_id for s in st],
+                           "stop" if st[-1].token_id in EOS_IDS and not ignore_eos else "length", st)
+                for prompt, st in zip(prompts, steps, strict=True)]
+
     def generate(self, input_ids: list[int], max_new_tokens: int | None = None, **options) -> Generation:
         """Run stream() to the end. options: temperature, top_p, seed, ignore_eos, tracer."""
         steps = list(self.stream(input_ids, max_new_tokens, **options))

@@ -5,6 +5,8 @@ position: it is limited by how fast the weights are read. On a CPU without nativ
 float16 matrix products run at ~50 GFLOP/s and bfloat16 ones at ~400, while a float16 matrix-vector product
 reads memory as fast as any. So the engine keeps the weights in float16 for decode and, on such CPUs, a
 bfloat16 copy of the decoder layers' matrices for prefill ([inference] prefill_dtype; chapter 7, "Latency").
+A batched decode step (several sequences, Engine.generate_batch) is a matrix product too and uses the same
+copies; lm_head then gets one as well.
 
 The same CPUs' float16 matrix-vector product streams ~52 GB/s over 4096-wide rows but only ~30 GB/s over
 down_proj's 11008-wide ones; stored as two contiguous 5504-wide column blocks, down_proj reads at full speed.

@@ -50,17 +50,23 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | list | None,
                 compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """input_ids [B, T], positions [T] -> final-normed hidden states [B, T, hidden].
+        """input_ids [1, T], positions [T] -> final-normed hidden states [1, T, hidden].
+        Batched decode: input_ids [B, 1], positions [B] (one per sequence) and cache a list of B caches.
         compute_dtype: the activations' dtype (default: the weights'); see kvbook.linear."""
         x = self.embed_tokens(input_ids)  # [1, T, 4096]
         x = x.to(compute_dtype or x.dtype)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [T, 128]
-        history = cache.length if cache is not None else 0
-        mask = causal_mask(input_ids.shape[1], history + input_ids.shape[1], x.device)  # [T, S]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache[i] if cache is not None else None, mask)  # [1, T, 4096]
+        if isinstance(cache, list):  # one position per sequence, each with its own angle: [B, 1, 1, 128]
+            cos, sin, mask = cos[:, None, None], sin[:, None, None], None
+            layer_caches = [[sequence[i] for sequence in cache] for i in range(len(self.layers))]
+        else:
+            history = cache.length if cache is not None else 0
+            mask = causal_mask(input_ids.shape[1], history + input_ids.shape[1], x.device)  # [T, S]
+            layer_caches = [cache[i] if cache is not None else None for i in range(len(self.layers))]
+        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
+            x = layer(x, cos, sin, layer_cache, mask)  # [1, T, 4096]
         return self.norm(x)
 
 
@@ -73,7 +79,7 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | list | None = None,
                 last_only: bool = True, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> logits [B, 1, vocab] for the last position (what generation needs), or [B, T, vocab]."""
         hidden = self.model(input_ids, positions, cache, compute_dtype)  # [1, T, 4096]
