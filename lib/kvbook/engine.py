@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, ModelConfig
+from .config import Config
 from .device import TORCH_DTYPES, resolve_device, resolve_prefill_dtype, synchronize
 from .kv_cache import CacheFullError, KVCache
 from .linear import split_long_inputs
@@ -75,6 +75,14 @@ class Generation:
         return self.steps[-1].cache_len
 
 
+def _step(index: int, phase: str, token: int, ms: float, cache, positions_computed: int) -> Step:
+    """A Step with the cache's state after it (cache None: the cache is disabled)."""
+    if cache is None:
+        return Step(index, phase, token, ms, 0, positions_computed)
+    blocks = cache.num_blocks if isinstance(cache, PagedKVCache) else None
+    return Step(index, phase, token, ms, cache.length, positions_computed, tuple(cache.lengths()), blocks)
+
+
 class Engine:
     """Holds the model on its device and runs prefill + decode for one sequence at a time."""
 
@@ -112,10 +120,6 @@ class Engine:
                         server=config.server)
         weights = load_checkpoint(directory, model_cfg, TORCH_DTYPES[config.inference.dtype])
         return cls(config, build_model(model_cfg, weights, resolve_device(config.inference.device)))
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.config.model
 
     def new_cache(self) -> KVCache | PagedKVCache | None:
         """A cache for one sequence: contiguous, a sequence in the engine's block pool (free it when done), or
@@ -193,9 +197,7 @@ class Engine:
                 token = sample_next(logits[0, -1], temperature, top_p, generator)
                 synchronize(self.device)
                 ms = (time.perf_counter() - started) * 1e3
-            step = Step(index, phase, token, ms, cache.length if cache is not None else 0, ids.shape[1],
-                        tuple(cache.lengths()) if cache is not None else (),
-                        cache.num_blocks if isinstance(cache, PagedKVCache) else None)
+            step = _step(index, phase, token, ms, cache, ids.shape[1])
             if tracer:
                 tracer.add_step(step, prompt_len)
             yield step
@@ -225,9 +227,7 @@ class Engine:
         steps: list[list[Step]] = [[] for _ in prompts]
 
         def record(b, index, phase, token, ms, computed):
-            cache = caches[b]
-            steps[b].append(Step(index, phase, token, ms, cache.length, computed, tuple(cache.lengths()),
-                                 cache.num_blocks if isinstance(cache, PagedKVCache) else None))
+            steps[b].append(_step(index, phase, token, ms, caches[b], computed))
 
         def running(b):
             last = steps[b][-1].token_id
