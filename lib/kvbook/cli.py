@@ -149,9 +149,9 @@ def cmd_bench(config: Config, args) -> None:
     if args.batch_sweep:
         from .bench import format_batch_sweep, run_batch_sweep
 
-        sizes = _parse_ids(args.batch_sweep) if args.batch_sweep.replace(",", "").isdigit() else []
-        if not sizes or min(sizes) < 1:
-            raise ConfigError(f"--batch-sweep {args.batch_sweep!r}: expected batch sizes like 1,2,4,8")
+        sizes = _parse_ints(args.batch_sweep, "--batch-sweep", "batch sizes", "1,2,4,8")
+        if min(sizes) < 1:
+            raise ConfigError(f"--batch-sweep {args.batch_sweep!r}: batch sizes must be >= 1")
         result = run_batch_sweep(config, args.config, args.overrides, sizes, args.steps, progress=progress)
         print(json.dumps(result) if args.json else format_batch_sweep(result))
         return
@@ -166,14 +166,15 @@ def cmd_bench(config: Config, args) -> None:
     print(json.dumps(result) if args.json else format_table(result))
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ints(text: str, option: str, what: str, example: str) -> list[int]:
+    """'1, 2,3' -> [1, 2, 3]; anything else is one line naming the option and an example."""
     try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+        values = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
-        raise ConfigError(f"--input-ids {text!r}: expected comma-separated integers like 9707,1879") from None
-    if not ids:
-        raise ConfigError("--input-ids is empty: give at least one token id")
-    return ids
+        values = []
+    if not values:
+        raise ConfigError(f"{option} {text!r}: expected {what} like {example}")
+    return values
 
 
 def cmd_generate(config: Config, args) -> None:
@@ -186,7 +187,7 @@ def cmd_generate(config: Config, args) -> None:
     if args.prompt is not None:
         input_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     elif args.input_ids is not None:
-        input_ids = _parse_ids(args.input_ids)
+        input_ids = _parse_ints(args.input_ids, "--input-ids", "comma-separated integers", "9707,1879")
     else:
         input_ids = build_prompt_ids(config.inference.input_len, tokenizer)
     if args.checkpoint:

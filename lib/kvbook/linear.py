@@ -32,7 +32,7 @@ class Linear(nn.Linear):
     def split_input(self, max_width: int = 8192) -> None:
         """Keep the weight as contiguous column blocks at most max_width wide (used instead of the weight)."""
         blocks = -(-self.in_features // max_width)
-        if blocks > 1:
+        if blocks > 1 and self.weight_blocks is None:  # a model shared by several engines is split once
             self.weight_blocks = [block.contiguous() for block in self.weight.chunk(blocks, dim=1)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

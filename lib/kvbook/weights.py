@@ -98,17 +98,21 @@ def prefill_copies(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: to
         return dict(zip(names, pool.map(lambda name: weights[name].to(dtype), names), strict=True))
 
 
+def _owner(model: Qwen3ForCausalLM, weight_name: str):
+    """The Linear that holds a weight: "model.layers.0.mlp.up_proj.weight" -> that up_proj."""
+    return model.get_submodule(weight_name.removesuffix(".weight"))
+
+
 def has_prefill_weights(model: Qwen3ForCausalLM, dtype: torch.dtype) -> bool:
     """Whether every layer matrix already carries a prefill copy in dtype."""
-    names = prefill_weight_names(model.cfg)
-    return all(getattr(model.get_submodule(name.removesuffix(".weight")), "prefill_weight", None) is not None and
-               model.get_submodule(name.removesuffix(".weight")).prefill_weight.dtype == dtype for name in names)
+    copies = [_owner(model, name).prefill_weight for name in prefill_weight_names(model.cfg)]
+    return all(copy is not None and copy.dtype == dtype for copy in copies)
 
 
 def attach_prefill_weights(model: Qwen3ForCausalLM, prefill: dict[str, torch.Tensor]) -> None:
     device = model.lm_head.weight.device
     for name, tensor in prefill.items():
-        model.get_submodule(name.removesuffix(".weight")).prefill_weight = tensor.to(device)
+        _owner(model, name).prefill_weight = tensor.to(device)
 
 
 _pending_saves: list[threading.Thread] = []
