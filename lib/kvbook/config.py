@@ -121,6 +121,7 @@ class KVCacheConfig:
     block_size: int = 16
     layout: str = "contiguous"  # or "paged": blocks of block_size positions from a shared pool (chapter 10)
     pool_mib: int = 0  # paged: the pool's memory; 0 = what the contiguous cache reserves (max_cache_len)
+    prefix_caching: bool = False  # paged: full blocks keyed by their tokens are reused by later prompts (chapter 11)
 
     def __post_init__(self) -> None:
         _positive("kv_cache", self, "max_cache_len", "block_size")
@@ -128,6 +129,9 @@ class KVCacheConfig:
         _one_of("kv_cache", "layout", self.layout, ["contiguous", "paged"])
         if self.pool_mib < 0:
             raise ConfigError(f"[kv_cache] pool_mib = {self.pool_mib}: must be >= 0 (0 = max_cache_len's worth)")
+        if self.prefix_caching and (self.layout != "paged" or not self.enable):
+            raise ConfigError("[kv_cache] prefix_caching = true shares whole blocks of the paged pool; also set "
+                              "layout = \"paged\" (--set kv_cache.layout=paged) and enable = true")
 
 
 @dataclass(frozen=True)
@@ -135,8 +139,11 @@ class ServerConfig:
     api_base: str = "http://127.0.0.1:8000/api"
     api_key_env: str = "TAOTOKEN_API_KEY"
     model_endpoint: str = "/v1/chat/completions"
+    # requests decoded together (continuous batching); 1 = one request at a time (chapter 11, "Tuning the service")
+    max_num_seqs: int = 8
 
     def __post_init__(self) -> None:
+        _positive("server", self, "max_num_seqs")
         if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", self.api_base):
             raise ConfigError(f"[server] api_base = {self.api_base!r}: must be an http(s) URL such as "
                               "\"http://127.0.0.1:8000/api\"")

@@ -75,7 +75,7 @@ class Generation:
         return self.steps[-1].cache_len
 
 
-def _step(index: int, phase: str, token: int, ms: float, cache, positions_computed: int) -> Step:
+def make_step(index: int, phase: str, token: int, ms: float, cache, positions_computed: int) -> Step:
     """A Step with the cache's state after it (cache None: the cache is disabled)."""
     if cache is None:
         return Step(index, phase, token, ms, 0, positions_computed)
@@ -91,6 +91,9 @@ class Engine:
         self.dtype = TORCH_DTYPES[config.inference.dtype]
         self.prefill_dtype = resolve_prefill_dtype(config.inference.prefill_dtype, config.inference.dtype,
                                                    self.device)
+        # a decode step of several sequences is a matrix product too: it computes like prefill (kvbook.linear)
+        self.batch_dtype = self.prefill_dtype
+        self.prefix_caching = config.kv_cache.prefix_caching
         started = time.perf_counter()
         separate_prefill = self.prefill_dtype != self.dtype
         if model is None:
@@ -131,6 +134,23 @@ class Engine:
             return PagedKVCache(self.pool, self.config.model.num_hidden_layers,
                                 self.config.model.max_position_embeddings)
         return KVCache(self.config.model, kv, self.device)
+
+    def prefill(self, cache, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        """Fill an empty cache with the prompt -> (logits of the last position [1, 1, vocab], positions reused).
+        With prefix caching the prompt's leading full blocks already in the pool are reused, not computed."""
+        reused = cache.reuse_prefix(prompt) if self.prefix_caching else 0
+        ids = torch.tensor([prompt[reused:]], device=self.device)  # [1, 256 - reused]
+        positions = torch.arange(reused, len(prompt), device=self.device)  # [256 - reused]
+        with torch.inference_mode():
+            logits = self.model(ids, positions, cache, compute_dtype=self.prefill_dtype)  # [1, 1, 151936]
+        if self.prefix_caching:
+            cache.register_full_blocks(prompt)
+        return logits, reused
+
+    def prepare_batched_decode(self) -> None:
+        """Give lm_head a batch_dtype copy too (the layers have theirs for prefill)."""
+        if self.batch_dtype != self.dtype and self.model.lm_head.prefill_weight is None:
+            self.model.lm_head.prefill_weight = self.model.lm_head.weight.to(self.batch_dtype)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         """Refuse, before any work, a request that the positions or the cache cannot hold."""
@@ -181,86 +201,55 @@ class Engine:
                 cache.free()  # the blocks go back to the pool, also when the caller stops early
 
     def _steps(self, cache, input_ids, max_new_tokens, temperature, top_p, generator, ignore_eos, tracer):
-        sequence = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, 256]
-        prompt_len = sequence.shape[1]
-
+        tokens = list(input_ids)  # the prompt, then every generated token
+        prompt_len = len(tokens)
         for index in range(max_new_tokens):
             phase = "prefill" if index == 0 else "decode"
-            if cache is None or index == 0:  # prefill, or no cache: compute every position so far
-                ids, first, compute_dtype = sequence, 0, self.prefill_dtype  # [1, 256 + index]
-            else:  # decode: only the token generated last, at the next position
-                ids, first, compute_dtype = sequence[:, -1:], sequence.shape[1] - 1, self.dtype  # [1, 1]
-            positions = torch.arange(first, sequence.shape[1], device=self.device)  # [T]
             with tracer.step(phase, index) if tracer else contextlib.nullcontext():
                 started = time.perf_counter()
-                logits = self.model(ids, positions, cache, compute_dtype=compute_dtype)  # [1, 1, 151936]
+                if index == 0 and cache is not None:  # prefill: every prompt position not in the prefix cache
+                    logits, reused = self.prefill(cache, tokens)  # [1, 1, 151936]
+                    computed = prompt_len - reused
+                else:
+                    if cache is None:  # no cache: compute every position so far, again
+                        ids, first, compute_dtype = tokens, 0, self.prefill_dtype  # 256 + index positions
+                    else:  # decode: only the token generated last, at the next position
+                        ids, first, compute_dtype = tokens[-1:], len(tokens) - 1, self.dtype
+                    logits = self.model(torch.tensor([ids], device=self.device),
+                                        torch.arange(first, len(tokens), device=self.device), cache,
+                                        compute_dtype=compute_dtype)  # [1, 1, 151936]
+                    computed = len(ids)
                 token = sample_next(logits[0, -1], temperature, top_p, generator)
                 synchronize(self.device)
                 ms = (time.perf_counter() - started) * 1e3
-            step = _step(index, phase, token, ms, cache, ids.shape[1])
+            step = make_step(index, phase, token, ms, cache, computed)
+            if self.prefix_caching and index > 0:
+                cache.register_full_blocks(tokens)  # a block filled by decode can be shared too
             if tracer:
                 tracer.add_step(step, prompt_len)
             yield step
             if token in EOS_IDS and not ignore_eos:
                 return
-            sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)  # [1, 256 + index + 1]
+            tokens.append(token)
 
-    @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | None = None,
                        ignore_eos: bool = False) -> list[Generation]:
-        """Greedy generation for several prompts at once. Each prompt is prefilled on its own (so prompts may
-        differ in length), then every decode step feeds the last token of every unfinished sequence together,
-        input [B, 1]: each weight is read once for B tokens. A sequence leaves the batch when it stops (EOS or
-        max_new_tokens); its cache is freed at the end. Each Step's ms is the time of the whole batch step.
+        """Greedy generation for several prompts at once (kvbook.scheduler with room for all of them). Each
+        prompt is prefilled on its own (so prompts may differ in length), then every decode step feeds the last
+        token of every unfinished sequence together, input [B, 1]: each weight is read once for B tokens. A
+        sequence leaves the batch when it stops (EOS or max_new_tokens). Each Step's ms is the whole pass.
 
-        On a CPU a decode step of two or more sequences computes in prefill_dtype (bfloat16): float16 matrix
-        products of several rows are ~8x slower there (kvbook.linear); lm_head gets a bfloat16 copy for it."""
-        if not self.config.kv_cache.enable:
-            raise ValueError("batched generation needs the KV cache; set kv_cache.enable = true")
-        if max_new_tokens is None:
-            max_new_tokens = self.config.inference.output_len
-        for prompt in prompts:
-            self.check_request(len(prompt), max_new_tokens)
-        if len(prompts) > 1 and self.prefill_dtype != self.dtype and self.model.lm_head.prefill_weight is None:
-            self.model.lm_head.prefill_weight = self.model.lm_head.weight.to(self.prefill_dtype)
-        caches = [self.new_cache() for _ in prompts]
-        steps: list[list[Step]] = [[] for _ in prompts]
+        On a CPU a decode step of several sequences computes in batch_dtype (bfloat16): float16 matrix products
+        of several rows are ~8x slower there (kvbook.linear); lm_head gets a bfloat16 copy for it."""
+        from .scheduler import Scheduler
 
-        def record(b, index, phase, token, ms, computed):
-            steps[b].append(_step(index, phase, token, ms, caches[b], computed))
-
-        def running(b):
-            last = steps[b][-1].token_id
-            return len(steps[b]) < max_new_tokens and (ignore_eos or last not in EOS_IDS)
-
-        try:
-            for b, prompt in enumerate(prompts):
-                started = time.perf_counter()
-                logits = self.model(torch.tensor([prompt], device=self.device),
-                                    torch.arange(len(prompt), device=self.device), caches[b],
-                                    compute_dtype=self.prefill_dtype)  # [1, 1, 151936]
-                token = int(logits[0, -1].argmax())
-                record(b, 0, "prefill", token, (time.perf_counter() - started) * 1e3, len(prompt))
-            for index in range(1, max_new_tokens):
-                active = [b for b in range(len(prompts)) if running(b)]
-                if not active:
-                    break
-                ids = torch.tensor([[steps[b][-1].token_id] for b in active], device=self.device)  # [B, 1]
-                positions = torch.tensor([caches[b].length for b in active], device=self.device)  # [B]
-                dtype = self.prefill_dtype if len(active) > 1 else self.dtype
-                started = time.perf_counter()
-                logits = self.model(ids, positions, [caches[b] for b in active], compute_dtype=dtype)  # [B, 1, V]
-                tokens = logits[:, -1].argmax(-1).tolist()
-                ms = (time.perf_counter() - started) * 1e3
-                for b, token in zip(active, tokens, strict=True):
-                    record(b, index, "decode", token, ms, 1)
-        finally:
-            for cache in caches:
-                if isinstance(cache, PagedKVCache):
-                    cache.free()
-        return [Generation(list(prompt), [s.token_id for s in st],
-                           "stop" if st[-1].token_id in EOS_IDS and not ignore_eos else "length", st)
-                for prompt, st in zip(prompts, steps, strict=True)]
+        scheduler = Scheduler(self, max_num_seqs=len(prompts))
+        sequences = [scheduler.add(prompt, max_new_tokens, ignore_eos=ignore_eos) for prompt in prompts]
+        scheduler.run_until_done()
+        for seq in sequences:
+            if seq.error is not None:
+                raise seq.error
+        return [seq.generation() for seq in sequences]
 
     def generate(self, input_ids: list[int], max_new_tokens: int | None = None, **options) -> Generation:
         """Run stream() to the end. options: temperature, top_p, seed, ignore_eos, tracer."""

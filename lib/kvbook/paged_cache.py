@@ -7,10 +7,17 @@ of every layer's K and V storage. Blocks are allocated on demand, one more exact
 block boundary (positions 256, 272, ... start a new block: 16 blocks after a 256-token prefill, 24 at 383
 positions), and returned to the pool when the sequence is freed. Attention reads through the block table.
 Explained in chapter 10 ("Memory").
+
+Prefix caching ([kv_cache] prefix_caching, vLLM's automatic prefix caching): a full block is keyed by a hash
+of its tokens and of every token before it, so equal keys mean equal K and V. A new prompt that starts with
+blocks already in the pool takes them (their reference count goes up) and prefills only the rest. A freed
+block keeps its key, and can be found again, until the pool hands it out for new positions; then the key is
+dropped, so a refilled block is never mistaken for its old contents. Explained in chapter 11.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 
 import torch
@@ -35,17 +42,52 @@ class BlockPool:
         dtype = TORCH_DTYPES[kv.cache_dtype]
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_hidden_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_hidden_layers)]
+        # least recently freed first: a freed block that still has a key is reused for new positions last
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
+        self.ref_count = [0] * self.num_blocks  # sequences holding each block
+        self.block_key: dict[int, bytes] = {}  # block -> key of the full block it holds (prefix caching)
+        self.cached_block: dict[bytes, int] = {}  # key -> block
 
     def allocate(self) -> int:
+        """A block for new positions: its old key, if any, is forgotten."""
         if not self.free_blocks:
             raise PoolExhaustedError(
                 f"KV block pool exhausted: all {self.num_blocks} blocks of {self.block_size} positions are held by "
                 "running sequences; raise [kv_cache] pool_mib (or max_cache_len), or wait for sequences to finish")
-        return self.free_blocks.popleft()
+        block = self.free_blocks.popleft()
+        key = self.block_key.pop(block, None)
+        if key is not None:
+            del self.cached_block[key]
+        self.ref_count[block] = 1
+        return block
 
     def release(self, blocks: list[int]) -> None:
-        self.free_blocks.extend(blocks)
+        for block in blocks:
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free_blocks.append(block)  # keeps its key until allocate() hands it out again
+
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """The blocks holding the longest run of these keys from the first."""
+        blocks = []
+        for key in keys:
+            if key not in self.cached_block:
+                break
+            blocks.append(self.cached_block[key])
+        return blocks
+
+    def share(self, block: int) -> None:
+        """One more sequence holds this full block (taken back from the free list if nobody held it)."""
+        if self.ref_count[block] == 0:
+            self.free_blocks.remove(block)
+        self.ref_count[block] += 1
+
+    def register(self, block: int, key: bytes) -> None:
+        """A block just became full: later prompts with the same key may share it (the first holder of a key
+        keeps it)."""
+        if key not in self.cached_block and block not in self.block_key:
+            self.cached_block[key] = block
+            self.block_key[block] = key
 
     @property
     def used_blocks(self) -> int:
@@ -57,6 +99,16 @@ class BlockPool:
 
     def reserved_bytes(self) -> int:
         return self.num_blocks * self.block_bytes()
+
+
+def block_keys(token_ids: list[int], block_size: int, parent: bytes = b"") -> list[bytes]:
+    """Key of every full block of token_ids: a hash of the block's tokens chained to the key before it."""
+    keys = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start:start + block_size]
+        parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in block), digest_size=16).digest()
+        keys.append(parent)
+    return keys
 
 
 def blocks_for_budget(model: ModelConfig, kv: KVCacheConfig) -> int:
@@ -105,7 +157,36 @@ class PagedKVCache(LayeredCache):
         self.pool = pool
         self.max_len = max_len  # max_position_embeddings: positions, not memory, limit a paged sequence
         self.block_table: list[int] = []
+        self.block_keys: list[bytes] = []  # keys of the full blocks at the start of block_table (prefix caching)
         self.layers = [PagedLayerCache(self, i) for i in range(num_layers)]
+
+    def reuse_prefix(self, prompt: list[int]) -> int:
+        """Take the pool's blocks that already hold this prompt's first full blocks; return the positions they
+        cover. At most len(prompt) - 1: the last prompt position is always computed, its logits give the first
+        token."""
+        assert not self.block_table, "reuse_prefix is for an empty sequence"
+        usable = (len(prompt) - 1) // self.pool.block_size
+        keys = block_keys(prompt[:usable * self.pool.block_size], self.pool.block_size)
+        blocks = self.pool.lookup(keys)
+        for block in blocks:
+            self.pool.share(block)
+        self.block_table, self.block_keys = blocks, keys[:len(blocks)]
+        for layer in self.layers:
+            layer.length = len(blocks) * self.pool.block_size
+        return self.length
+
+    def register_full_blocks(self, token_ids: list[int]) -> None:
+        """Key every block that became full (token_ids: the tokens at positions 0 .. length-1 or more)."""
+        size = self.pool.block_size
+        full = self.length // size
+        if len(self.block_keys) == full:
+            return
+        done = len(self.block_keys) * size
+        parent = self.block_keys[-1] if self.block_keys else b""
+        for block, key in zip(self.block_table[len(self.block_keys):full],
+                              block_keys(token_ids[done:full * size], size, parent), strict=True):
+            self.pool.register(block, key)
+            self.block_keys.append(key)
 
     def ensure_blocks(self, positions: int) -> None:
         """Hold enough blocks for `positions` positions, taking new ones from the pool only when needed."""
@@ -132,7 +213,7 @@ class PagedKVCache(LayeredCache):
     def free(self) -> None:
         """Return every block to the pool (the sequence finished or its client went away)."""
         self.pool.release(self.block_table)
-        self.block_table = []
+        self.block_table, self.block_keys = [], []
         for layer in self.layers:
             layer.length = 0
 

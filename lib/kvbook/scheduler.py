@@ -1,0 +1,202 @@
+"""Continuous batching: sequences join the running batch after their prefill and leave it when they finish.
+
+Each call of Scheduler.step() is one forward pass of the model: either the prefill of the next waiting
+sequence (new arrivals first, as vLLM does by default) or one decode step of every running sequence together,
+input [B, 1], so each weight is read once for B tokens. A sequence is admitted when fewer than max_num_seqs run
+and, with the paged layout, when the pool's free blocks cover the worst case of every running sequence and of
+the new one (prompt + max_new_tokens - 1 positions): a running sequence never waits for memory. Finished and
+aborted sequences give their blocks back at once.
+
+A sequence's tokens do not depend on its neighbours: each row of a decode step attends to its own cache, and
+the step computes in one dtype whatever the batch size (Engine.batch_dtype; bfloat16 on a CPU with float16
+weights, see kvbook.linear). With max_num_seqs = 1 there is never a batch and decode runs in the weights'
+dtype, as Engine.stream does. Explained in chapter 11 ("Tuning the service").
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .engine import Engine, Generation, Step, make_step
+from .paged_cache import PagedKVCache
+from .sampling import sample_next
+from .tokenizer import EOS_IDS
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the scheduler."""
+
+    seq_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    steps: list[Step] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
+    error: Exception | None = None
+    cached_positions: int = 0  # prompt positions taken from the prefix cache instead of computed
+    aborted: bool = False  # set from any thread; the scheduler frees the sequence at its next step
+    cache: object = field(default=None, repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return [step.token_id for step in self.steps]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def generation(self) -> Generation:
+        return Generation(list(self.prompt), self.output_ids, self.finish_reason or "length", list(self.steps))
+
+    def _done_after(self, token: int) -> str | None:
+        if token in EOS_IDS and not self.ignore_eos:
+            return "stop"
+        return "length" if len(self.steps) == self.max_new_tokens else None
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """One forward pass of the scheduler, for the timeline of chapter 11."""
+
+    index: int
+    phase: str  # "prefill" (one sequence) or "decode" (every running sequence)
+    ms: float
+    seq_ids: tuple[int, ...]  # the sequences computed in this pass
+    cache_lens: dict[int, int]  # every running sequence's cache length after the pass
+    blocks: dict[int, tuple[int, ...]]  # paged layout: every running sequence's block table after the pass
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_num_seqs: int, record_timeline: bool = False):
+        if not engine.config.kv_cache.enable:
+            raise ValueError("batched generation needs the KV cache; set kv_cache.enable = true")
+        self.engine = engine
+        self.max_num_seqs = max_num_seqs
+        self.decode_dtype = engine.batch_dtype if max_num_seqs > 1 else engine.dtype
+        if self.decode_dtype != engine.dtype:
+            engine.prepare_batched_decode()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.timeline: list[BatchStep] | None = [] if record_timeline else None
+        self._next_id = 0
+
+    def add(self, prompt: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
+            top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False) -> Sequence:
+        """Queue a request (checked now, so a bad one fails here and not inside a batch)."""
+        if max_new_tokens is None:
+            max_new_tokens = self.engine.config.inference.output_len
+        self.engine.check_request(len(prompt), max_new_tokens)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
+        seq = Sequence(self._next_id, list(prompt), max_new_tokens, temperature, top_p, seed, ignore_eos)
+        if temperature > 0:
+            seq.generator = torch.Generator(self.engine.device).manual_seed(seed if seed is not None else 0)
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Sequence]:
+        """One forward pass; returns the sequences that got a token (each has it as steps[-1]) or failed."""
+        self._drop_aborted()
+        if self.waiting and self._can_admit(self.waiting[0]):
+            batch = [self.waiting.popleft()]
+            self.running.append(batch[0])
+            phase = "prefill"
+        elif self.running:
+            batch, phase = list(self.running), "decode"
+        else:
+            return []
+        started = time.perf_counter()
+        try:
+            tokens = self._prefill(batch[0]) if phase == "prefill" else self._decode(batch)
+        except Exception as err:  # noqa: BLE001 - the sequences of this pass fail, the scheduler goes on
+            for seq in batch:
+                seq.error, seq.finish_reason = err, "error"
+            self._retire(batch)
+            return batch
+        ms = (time.perf_counter() - started) * 1e3
+        for seq, token in zip(batch, tokens, strict=True):
+            computed = len(seq.prompt) - seq.cached_positions if phase == "prefill" else 1
+            seq.steps.append(make_step(len(seq.steps), phase, token, ms, seq.cache, computed))
+            if self.engine.prefix_caching:
+                seq.cache.register_full_blocks(seq.prompt + seq.output_ids)
+            seq.finish_reason = seq._done_after(token)
+        self._record(phase, ms, batch)
+        self._retire([seq for seq in batch if seq.finished])
+        return batch
+
+    def run_until_done(self) -> None:
+        while self.has_work:
+            self.step()
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a sequence (its client went away): safe from any thread, effective at the next step."""
+        seq.aborted = True
+
+    # -- internals --
+
+    def _prefill(self, seq: Sequence) -> list[int]:
+        seq.cache = self.engine.new_cache()
+        logits, seq.cached_positions = self.engine.prefill(seq.cache, seq.prompt)  # [1, 1, vocab]
+        return [sample_next(logits[0, -1], seq.temperature, seq.top_p, seq.generator)]
+
+    def _decode(self, batch: list[Sequence]) -> list[int]:
+        device = self.engine.device
+        ids = torch.tensor([[seq.steps[-1].token_id] for seq in batch], device=device)  # [B, 1]
+        positions = torch.tensor([seq.cache.length for seq in batch], device=device)  # [B]
+        with torch.inference_mode():
+            logits = self.engine.model(ids, positions, [seq.cache for seq in batch],
+                                       compute_dtype=self.decode_dtype)  # [B, 1, vocab]
+        return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator) for b, seq in enumerate(batch)]
+
+    def _worst_case_blocks(self, seq: Sequence) -> int:
+        return -(-(len(seq.prompt) + seq.max_new_tokens - 1) // self.engine.pool.block_size)
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        pool = self.engine.pool
+        if pool is None:
+            return True
+        # blocks the running sequences may still take; shared prefix blocks count for every holder (safe side)
+        promised = sum(self._worst_case_blocks(s) - s.cache.num_blocks for s in self.running)
+        return len(pool.free_blocks) - promised >= self._worst_case_blocks(seq)
+
+    def _drop_aborted(self) -> None:
+        for seq in [s for s in self.waiting if s.aborted]:
+            self.waiting.remove(seq)
+            seq.finish_reason = "abort"
+        aborted = [s for s in self.running if s.aborted and not s.finished]
+        for seq in aborted:
+            seq.finish_reason = "abort"
+        self._retire(aborted)
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            if seq in self.running:
+                self.running.remove(seq)
+            if isinstance(seq.cache, PagedKVCache):
+                seq.cache.free()
+            seq.cache = None  # a contiguous cache's memory goes with it
+
+    def _record(self, phase: str, ms: float, batch: list[Sequence]) -> None:
+        if self.timeline is None:
+            return
+        live = self.running + [s for s in batch if s not in self.running]
+        self.timeline.append(BatchStep(
+            len(self.timeline), phase, ms, tuple(s.seq_id for s in batch),
+            {s.seq_id: s.cache.length for s in live},
+            {s.seq_id: tuple(s.cache.block_table) for s in live if isinstance(s.cache, PagedKVCache)}))

@@ -1,0 +1,115 @@
+"""Continuous batching (kvbook.scheduler): sequences join after their prefill and leave when they finish, each
+with exactly the tokens it gets alone; admission by the pool's free blocks; aborts free at once."""
+
+import pytest
+from kvbook.engine import Engine
+from kvbook.scheduler import Scheduler
+
+from .conftest import small_config
+
+PROMPTS = [list(range(1000, 1012)), list(range(2000, 2031)), [9707], list(range(3000, 3016)),
+           list(range(4000, 4040))]
+
+
+def make_engine(dtype="float32", max_cache_len=128, **kv_options):
+    cfg = small_config(vocab=151936, max_cache_len=max_cache_len, dtype=dtype).replace(
+        kv_cache={"layout": "paged", **kv_options})
+    return Engine(cfg, progress=False)
+
+
+def alone(engine, prompt, n, **options):
+    scheduler = Scheduler(engine, max_num_seqs=8)
+    seq = scheduler.add(prompt, n, **options)
+    scheduler.run_until_done()
+    return seq.output_ids
+
+
+def test_late_arrivals_join_the_running_batch_and_get_the_tokens_they_get_alone(weight_cache):
+    engine = make_engine()
+    scheduler = Scheduler(engine, max_num_seqs=8, record_timeline=True)
+    first = scheduler.add(PROMPTS[0], 12, ignore_eos=True)
+    for _ in range(4):  # prefill + 3 decode steps of the first sequence alone
+        scheduler.step()
+    late = [scheduler.add(p, 8, ignore_eos=True) for p in PROMPTS[1:4]]
+    scheduler.run_until_done()
+    timeline = scheduler.timeline
+    assert [s.phase for s in timeline[:4]] == ["prefill", "decode", "decode", "decode"]
+    assert [s.phase for s in timeline[4:7]] == ["prefill"] * 3  # new arrivals are prefilled first
+    assert timeline[7].phase == "decode" and timeline[7].seq_ids == (0, 1, 2, 3)  # then decoded together
+    assert max(len(s.seq_ids) for s in timeline) == 4
+    assert first.output_ids == alone(engine, PROMPTS[0], 12, ignore_eos=True)
+    for seq, prompt in zip(late, PROMPTS[1:4], strict=True):
+        assert seq.output_ids == engine.generate(prompt, 8, ignore_eos=True).output_ids
+        assert [s.positions_computed for s in seq.steps] == [len(prompt)] + [1] * 7
+    assert engine.pool.used_blocks == 0
+
+
+def test_float16_on_cpu_batched_rows_are_bitwise_what_they_are_alone(weight_cache):
+    # float16 weights on a CPU: batched steps compute in bfloat16, a single sequence too (as two rows)
+    engine = make_engine(dtype="float16")
+    scheduler = Scheduler(engine, max_num_seqs=8)
+    assert scheduler.decode_dtype != engine.dtype
+    seqs = [scheduler.add(p, 10, ignore_eos=True) for p in PROMPTS]
+    scheduler.run_until_done()
+    assert [s.output_ids for s in seqs] == [alone(engine, p, 10, ignore_eos=True) for p in PROMPTS]
+
+
+def test_one_sequence_at_a_time_decodes_in_the_weights_dtype_like_engine_stream(weight_cache):
+    engine = make_engine(dtype="float16")
+    scheduler = Scheduler(engine, max_num_seqs=1, record_timeline=True)
+    assert scheduler.decode_dtype == engine.dtype
+    seqs = [scheduler.add(p, 6, ignore_eos=True) for p in PROMPTS[:2]]
+    scheduler.run_until_done()
+    assert all(len(step.seq_ids) == 1 for step in scheduler.timeline)
+    assert [s.output_ids for s in seqs] == [engine.generate(p, 6, ignore_eos=True).output_ids for p in PROMPTS[:2]]
+
+
+def test_sampled_sequences_keep_their_own_seeded_generator(weight_cache):
+    engine = make_engine()
+    options = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": True}
+    scheduler = Scheduler(engine, max_num_seqs=8)
+    seqs = [scheduler.add(p, 10, **options) for p in PROMPTS[:3]]
+    scheduler.run_until_done()
+    assert [s.output_ids for s in seqs] == [engine.generate(p, 10, **options).output_ids for p in PROMPTS[:3]]
+
+
+def test_admission_waits_for_free_blocks_and_nothing_leaks(weight_cache):
+    engine = make_engine(max_cache_len=160)  # a pool of 10 blocks of 16 positions
+    scheduler = Scheduler(engine, max_num_seqs=8, record_timeline=True)
+    prompt = list(range(5000, 5040))  # 40 + 40 - 1 positions: 5 blocks at worst, so two fit at once
+    seqs = [scheduler.add([t + 100 * i for t in prompt], 40, ignore_eos=True) for i in range(3)]
+    scheduler.run_until_done()
+    assert engine.pool.num_blocks == 10
+    assert max(len(step.cache_lens) for step in scheduler.timeline) == 2
+    assert all(len(s.output_ids) == 40 for s in seqs)
+    assert engine.pool.used_blocks == 0
+
+
+def test_max_num_seqs_caps_the_batch(weight_cache):
+    scheduler = Scheduler(make_engine(), max_num_seqs=2, record_timeline=True)
+    for p in PROMPTS:
+        scheduler.add(p, 5, ignore_eos=True)
+    scheduler.run_until_done()
+    assert max(len(step.seq_ids) for step in scheduler.timeline) == 2
+
+
+def test_an_aborted_sequence_leaves_at_the_next_step_and_frees_its_blocks(weight_cache):
+    engine = make_engine()
+    scheduler = Scheduler(engine, max_num_seqs=8)
+    keep, drop = scheduler.add(PROMPTS[1], 20, ignore_eos=True), scheduler.add(PROMPTS[4], 20, ignore_eos=True)
+    for _ in range(4):
+        scheduler.step()
+    scheduler.abort(drop)
+    scheduler.step()
+    assert drop.finish_reason == "abort" and drop not in scheduler.running
+    assert engine.pool.used_blocks == keep.cache.num_blocks
+    scheduler.run_until_done()
+    assert keep.output_ids == engine.generate(PROMPTS[1], 20, ignore_eos=True).output_ids
+    assert engine.pool.used_blocks == 0
+
+
+def test_a_bad_request_is_refused_when_added(weight_cache):
+    scheduler = Scheduler(make_engine(), max_num_seqs=8)
+    with pytest.raises(ValueError, match="max_position_embeddings is 256"):
+        scheduler.add(list(range(200)), 100)
+    assert not scheduler.has_work
