@@ -38,7 +38,7 @@ def engine(tmp_path_factory):
 @pytest.fixture
 def server(engine, monkeypatch):
     monkeypatch.delenv(KEY_ENV, raising=False)
-    with BackgroundServer(engine) as running:
+    with BackgroundServer(engine, record_timeline=True) as running:
         yield running
 
 
@@ -158,6 +158,42 @@ def test_eight_concurrent_requests_are_each_answered_as_if_alone(server):
         together = list(pool.map(lambda body: post(server, body), bodies))
     assert all(r.status_code == 200 for r in together)
     assert [r.json()["choices"][0]["message"]["content"] for r in together] == alone
+    decode_batches = [len(step.seq_ids) for step in server.scheduler.timeline if step.phase == "decode"]
+    assert max(decode_batches) > 1  # they shared decode steps: continuous batching, not a queue
+    assert decode_batches.count(1) >= 8 * 4  # the eight runs alone: one sequence per step
+
+
+def test_a_failed_forward_pass_is_a_500_and_the_server_keeps_serving(server, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(server.app.state.scheduler.scheduler, "_decode", broken)
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "ignore_eos": True}
+    reply = post(server, body)
+    assert reply.status_code == 500
+    assert reply.json()["error"]["message"] == "generation failed: out of memory (simulated)"
+    streamed = post(server, {**body, "stream": True}).text
+    assert "generation failed: out of memory (simulated)" in streamed and "[DONE]" not in streamed
+    monkeypatch.undo()
+    assert post(server, body).json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_shared_system_prompt_is_prefilled_once(engine, monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    cached = Engine(engine.config.replace(kv_cache={"layout": "paged", "prefix_caching": True}), model=engine.model,
+                    progress=False)
+    system = {"role": "system", "content": "You are a terse assistant. " * 12}
+    bodies = [{"model": MODEL, "messages": [system, {"role": "user", "content": q}], "max_tokens": 5,
+               "temperature": 0, "ignore_eos": True} for q in ("What is a KV cache?", "Why is decode slow?")]
+    with BackgroundServer(engine) as plain_server, BackgroundServer(cached) as cached_server:
+        plain = [post(plain_server, b).json() for b in bodies]
+        reused = [post(cached_server, b).json() for b in bodies]
+    cached_tokens = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in reused]
+    prompt_tokens = reused[1]["usage"]["prompt_tokens"]
+    assert cached_tokens[0] == 0 and 16 <= cached_tokens[1] < prompt_tokens and cached_tokens[1] % 16 == 0
+    assert [r["choices"][0]["message"]["content"] for r in reused] == \
+        [r["choices"][0]["message"]["content"] for r in plain]
+    assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in plain] == [0, 0]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_the_server(server, caplog):

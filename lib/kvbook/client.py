@@ -102,6 +102,9 @@ def stream_chat(messages: list[dict], model: str, max_tokens: int = 128, tempera
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
+            if "error" in chunk:  # the server failed after the stream had started
+                result.error = chunk["error"]
+                break
             if chunk.get("usage"):
                 result.usage = chunk["usage"]
             for choice in chunk.get("choices", []):

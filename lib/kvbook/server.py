@@ -7,13 +7,17 @@ Routes, under the path of [server].api_base ("/api" for "http://127.0.0.1:8000/a
   GET  {path}/v1/models         the one model, named by [model].name
   GET  /health                  liveness, never needs a key
 
-Requests are queued: the engine runs one sequence at a time, in arrival order (an asyncio lock), and a request
-waiting in the queue costs nothing. When the environment variable named by [server].api_key_env is set, every
-request but /health needs "Authorization: Bearer <key>".
+Requests are batched continuously (kvbook.scheduler, in a thread of its own): a request joins the running batch
+after its prefill and leaves it when it finishes; up to [server].max_num_seqs decode together, the rest wait in
+arrival order at no cost. With [kv_cache] prefix_caching, a prompt that starts like an earlier one (a shared
+system prompt) reuses its blocks, and usage.prompt_tokens_details.cached_tokens says how many positions.
+When the environment variable named by [server].api_key_env is set, every request but /health needs
+"Authorization: Bearer <key>".
 
 Logging (logger "kvbook.server", level INFO by default, `--log-level` to change): one line per decode step with
 the request id, the step, every layer's cache length and the step's milliseconds; one line per request with
-prompt and completion tokens, TTFT and mean TPOT. Explained in chapter 9 ("Serving").
+prompt and completion tokens, TTFT (from arrival) and mean TPOT as the client sees them. Explained in
+chapters 9 ("Serving") and 11 ("Tuning the service").
 """
 
 from __future__ import annotations
@@ -23,19 +27,20 @@ import hmac
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .config import Config
 from .engine import Engine
 from .kv_cache import CacheFullError
+from .scheduler import Scheduler, Sequence
 from .tokenizer import EOS_IDS, ROLES, Tokenizer, get_default_tokenizer
 
 log = logging.getLogger("kvbook.server")
@@ -176,13 +181,87 @@ class TextStream:
         return piece
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer | None = None) -> FastAPI:
+@dataclass(eq=False)
+class Ticket:
+    """A request handed to the scheduler thread: its Steps come back on `steps` (None after the last one, an
+    exception if its forward pass failed)."""
+
+    input_ids: list[int]
+    chat: ChatRequest
+    deliver: object  # puts an item on the request's asyncio queue, from the scheduler thread
+    steps: asyncio.Queue
+    sequence: Sequence | None = None
+
+
+class SchedulerThread:
+    """Runs the scheduler's forward passes in a thread, so the event loop keeps serving while the model computes.
+    The event loop only puts tickets and aborts in the inbox; the thread alone touches the scheduler."""
+
+    def __init__(self, engine: Engine, record_timeline: bool = False):
+        self.scheduler = Scheduler(engine, engine.config.server.max_num_seqs, record_timeline)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.tickets: dict[Sequence, Ticket] = {}
+        self.closed = False
+        self.thread = threading.Thread(target=self._loop, name="kvbook-scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, input_ids: list[int], chat: ChatRequest) -> Ticket:
+        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue = asyncio.Queue()
+        ticket = Ticket(input_ids, chat, lambda item: loop.call_soon_threadsafe(steps.put_nowait, item), steps)
+        self.inbox.put(("add", ticket))
+        return ticket
+
+    def abort(self, ticket: Ticket) -> None:
+        """The client went away or stopped listening: the sequence leaves at the next step (no-op once done)."""
+        self.inbox.put(("abort", ticket))
+
+    def close(self) -> None:
+        self.closed = True
+        self.thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self.closed:
+            self._read_inbox(wait=not self.scheduler.has_work)
+            for seq in self.scheduler.step():
+                ticket = self.tickets[seq]
+                ticket.deliver(seq.error if seq.error is not None else seq.steps[-1])
+            for seq in [seq for seq in self.tickets if seq.finished]:
+                self.tickets.pop(seq).deliver(None)
+
+    def _read_inbox(self, wait: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.1) if wait else self.inbox.get_nowait()
+            while True:
+                kind, ticket = item
+                if kind == "abort" and ticket.sequence is not None:
+                    self.scheduler.abort(ticket.sequence)
+                elif kind == "add":
+                    self._add(ticket)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _add(self, ticket: Ticket) -> None:
+        chat = ticket.chat
+        try:
+            ticket.sequence = self.scheduler.add(ticket.input_ids, chat.max_tokens, temperature=chat.temperature,
+                                                 top_p=chat.top_p, seed=chat.seed, ignore_eos=chat.ignore_eos)
+        except Exception as err:  # noqa: BLE001 - checked before submission; reported, never lost
+            ticket.deliver(err)
+            ticket.deliver(None)
+            return
+        self.tickets[ticket.sequence] = ticket
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer | None = None, record_timeline: bool = False) -> FastAPI:
+    """record_timeline: keep every forward pass in app.state.scheduler.scheduler.timeline (chapter 11, tests)."""
     config: Config = engine.config
     tokenizer = tokenizer or get_default_tokenizer()
     prefix = urlparse(config.server.api_base).path.rstrip("/")
     model_name = config.model.name
-    queue = asyncio.Lock()  # one sequence at a time, in arrival order
     app = FastAPI(title="kvbook", docs_url=None, redoc_url=None, openapi_url=None)
+    runner = app.state.scheduler = SchedulerThread(engine, record_timeline)
 
     def authorized(request: Request) -> bool:
         key = os.environ.get(config.server.api_key_env)
@@ -198,7 +277,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "device": str(engine.device)}
+        return {"status": "ok", "model": model_name, "device": str(engine.device),
+                "running": len(runner.scheduler.running), "waiting": len(runner.scheduler.waiting)}
 
     @app.get(prefix + "/v1/models")
     async def models(request: Request):
@@ -233,9 +313,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None) -> FastAPI:
         if chat.stream:
             return StreamingResponse(stream_chunks(run, request), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        async with queue:
+        try:
             async for _ in generate(run, request):
                 pass
+        except Exception as err:  # noqa: BLE001 - the forward pass failed: say so, the server keeps serving
+            return error_response(RequestError(f"generation failed: {err}", status=500, kind="server_error"))
         if run.disconnected:
             return JSONResponse({}, status_code=499)
         return {"id": run.id, "object": "chat.completion", "created": run.created, "model": model_name,
@@ -244,18 +326,19 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None) -> FastAPI:
                 "usage": run.usage()}
 
     async def generate(run: Run, request: Request):
-        """Yield each new piece of text; the engine runs in a worker thread so the server stays responsive.
-        Stops early (and frees the sequence's cache) when the client goes away."""
+        """Yield each new piece of text as the scheduler thread delivers the request's tokens. Stops early (and
+        frees the sequence's cache) when the client goes away or a stop string appears."""
         chat = run.chat
-        steps = engine.stream(run.input_ids, chat.max_tokens, temperature=chat.temperature, top_p=chat.top_p,
-                              seed=chat.seed, ignore_eos=chat.ignore_eos)
+        ticket = runner.submit(run.input_ids, chat)
         text = TextStream(tokenizer, chat.stop)
         try:
             while True:
-                step = await anyio.to_thread.run_sync(next, steps, None)
+                step = await ticket.steps.get()
                 if step is None:
                     break
-                run.record(step)
+                if isinstance(step, Exception):
+                    raise step
+                run.record(step, ticket.sequence)
                 piece = text.add(step.token_id)
                 if step.token_id in EOS_IDS and not chat.ignore_eos:
                     run.finish_reason = "stop"
@@ -267,16 +350,17 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None) -> FastAPI:
                 if text.stopped:
                     break
                 if await request.is_disconnected():
-                    run.disconnected = True
-                    log.info("%s client disconnected after %d tokens; generation stopped", run.id,
-                             len(run.output_ids))
+                    run.went_away()
                     break
             tail = text.finish()
             if tail and not run.disconnected:
                 run.text += tail
                 yield tail
+        except asyncio.CancelledError:  # the server noticed the disconnect first and cancelled this response
+            run.went_away()
+            raise
         finally:
-            steps.close()  # ends the engine's generator: its KV cache is released
+            runner.abort(ticket)  # frees the sequence's cache if it is still running
             run.log_summary()
 
     async def stream_chunks(run: Run, request: Request):
@@ -289,16 +373,20 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None) -> FastAPI:
                 data["usage"] = None
             return f"data: {json.dumps(data)}\n\n"
 
-        async with queue:
-            yield chunk({"role": "assistant", "content": ""})
+        yield chunk({"role": "assistant", "content": ""})
+        try:
             async for piece in generate(run, request):
                 yield chunk({"content": piece})
-            if run.disconnected:
-                return
-            yield chunk({}, run.finish_reason)
-            if run.chat.include_usage:
-                yield chunk({}, usage=run.usage())
-            yield "data: [DONE]\n\n"
+        except Exception as err:  # noqa: BLE001 - headers are sent: the error goes in the stream, as OpenAI does
+            error = {"message": f"generation failed: {err}", "type": "server_error"}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+            return
+        if run.disconnected:
+            return
+        yield chunk({}, run.finish_reason)
+        if run.chat.include_usage:
+            yield chunk({}, usage=run.usage())
+        yield "data: [DONE]\n\n"
 
     return app
 
@@ -315,38 +403,49 @@ class Run:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"
-    step_ms: list[float] = field(default_factory=list)
     disconnected: bool = False
+    arrived: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)  # when each token reached this request's handler
+    cached_tokens: int = 0
 
-    def record(self, step) -> None:
+    def record(self, step, sequence: Sequence) -> None:
         self.output_ids.append(step.token_id)
-        self.step_ms.append(step.ms)
+        self.token_times.append(time.perf_counter())
         if step.phase == "decode":
             log.info("%s step %d cache_len per layer %s %.1f ms", self.id, step.index, list(step.cache_lens),
                      step.ms)
         else:
-            log.info("%s prefill %d tokens cache_len %d %.1f ms", self.id, len(self.input_ids), step.cache_len,
-                     step.ms)
+            self.cached_tokens = sequence.cached_positions
+            log.info("%s prefill %d tokens (%d from the prefix cache) cache_len %d %.1f ms", self.id,
+                     len(self.input_ids), self.cached_tokens, step.cache_len, step.ms)
+
+    def went_away(self) -> None:
+        self.disconnected = True
+        log.info("%s client disconnected after %d tokens; generation stopped", self.id, len(self.output_ids))
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.input_ids), "completion_tokens": len(self.output_ids),
-                "total_tokens": len(self.input_ids) + len(self.output_ids)}
+                "total_tokens": len(self.input_ids) + len(self.output_ids),
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def log_summary(self) -> None:
-        tpot = sum(self.step_ms[1:]) / (len(self.step_ms) - 1) if len(self.step_ms) > 1 else 0.0
+        times = self.token_times
+        ttft = (times[0] - self.arrived) * 1e3 if times else 0.0
+        tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
         log.info("%s done prompt_tokens %d completion_tokens %d finish_reason %s TTFT %.1f ms TPOT %.1f ms",
-                 self.id, len(self.input_ids), len(self.output_ids), self.finish_reason,
-                 self.step_ms[0] if self.step_ms else 0.0, tpot)
+                 self.id, len(self.input_ids), len(self.output_ids), self.finish_reason, ttft, tpot)
 
 
 class BackgroundServer:
     """uvicorn in a thread of this process (the serving chapter and the tests): port 0 picks a free port."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 record_timeline: bool = False):
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port,
-                                                    log_level=log_level, lifespan="off"))
+        self.app = create_app(engine, record_timeline=record_timeline)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                                                    lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, name="kvbook-server", daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -356,11 +455,13 @@ class BackgroundServer:
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
         path = urlparse(engine.config.server.api_base).path.rstrip("/")
         self.url = f"http://{host}:{port}"
+        self.scheduler = self.app.state.scheduler.scheduler  # read its timeline only while no request runs
         self.api_base = self.url + path
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.app.state.scheduler.close()
 
     def __enter__(self) -> BackgroundServer:
         return self
