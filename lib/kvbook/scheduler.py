@@ -171,7 +171,8 @@ class Scheduler:
         pool = self.engine.pool
         if pool is None:
             return True
-        # blocks the running sequences may still take; shared prefix blocks count for every holder (safe side)
+        # blocks the running sequences may still take; the new one's worst case ignores the prefix blocks it may
+        # share (the safe side)
         promised = sum(self._worst_case_blocks(s) - s.cache.num_blocks for s in self.running)
         return len(pool.free_blocks) - promised >= self._worst_case_blocks(seq)
 

@@ -16,7 +16,8 @@ When the environment variable named by [server].api_key_env is set, every reques
 
 Logging (logger "kvbook.server", level INFO by default, `--log-level` to change): one line per decode step with
 the request id, the step, every layer's cache length and the step's milliseconds; one line per request with
-prompt and completion tokens, TTFT (from arrival) and mean TPOT as the client sees them. Explained in
+prompt and completion tokens, TTFT (from arrival) and mean TPOT as the request saw them, and the engine's own
+prefill and mean decode-step times. Explained in
 chapters 9 ("Serving") and 11 ("Tuning the service").
 """
 
@@ -406,11 +407,13 @@ class Run:
     disconnected: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each token reached this request's handler
+    step_ms: list[float] = field(default_factory=list)  # the engine's own time of each forward pass
     cached_tokens: int = 0
 
     def record(self, step, sequence: Sequence) -> None:
         self.output_ids.append(step.token_id)
         self.token_times.append(time.perf_counter())
+        self.step_ms.append(step.ms)
         if step.phase == "decode":
             log.info("%s step %d cache_len per layer %s %.1f ms", self.id, step.index, list(step.cache_lens),
                      step.ms)
@@ -432,8 +435,11 @@ class Run:
         times = self.token_times
         ttft = (times[0] - self.arrived) * 1e3 if times else 0.0
         tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
-        log.info("%s done prompt_tokens %d completion_tokens %d finish_reason %s TTFT %.1f ms TPOT %.1f ms",
-                 self.id, len(self.input_ids), len(self.output_ids), self.finish_reason, ttft, tpot)
+        prefill = self.step_ms[0] if self.step_ms else 0.0
+        decode = sum(self.step_ms[1:]) / (len(self.step_ms) - 1) if len(self.step_ms) > 1 else 0.0
+        log.info("%s done prompt_tokens %d completion_tokens %d finish_reason %s TTFT %.1f ms TPOT %.1f ms "
+                 "(engine: prefill %.1f ms, decode step %.1f ms)", self.id, len(self.input_ids),
+                 len(self.output_ids), self.finish_reason, ttft, tpot, prefill, decode)
 
 
 class BackgroundServer:
