@@ -79,3 +79,26 @@ def test_batch_sweep_reports_tokens_per_second_per_batch_size(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--batch-sweep", "1,x"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "expected batch sizes like 1,2,4,8" in bad.stderr
+
+
+def test_concurrency_bench_sends_requests_alone_and_at_once_through_the_server(tmp_path):
+    import os
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    env.pop("TAOTOKEN_API_KEY", None)
+    result = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--json", "--concurrency", "4", "--max-tokens",
+                             "5", *TINY], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout)
+    assert out["concurrency"] == 4 and len(out["requests"]) == 4 and out["max_tokens"] == 5
+    assert out["ratio"] == out["concurrent_s"] / out["alone_s"] > 0
+    assert out["tokens_per_s"]["concurrent"] == 4 * 5 / out["concurrent_s"]
+    assert 1 <= out["max_decode_batch"] <= 4 and out["max_num_seqs"] == 8
+    assert all(r["ttft_ms"] > 0 and r["s"] <= out["concurrent_s"] for r in out["requests"])
+    assert "kvbook bench: [3/3] 4 requests at once" in result.stderr
+
+
+def test_concurrency_must_be_positive():
+    result = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--concurrency", "0", *TINY],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "kvbook: error: --concurrency and --max-tokens must be >= 1"]

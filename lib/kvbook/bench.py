@@ -272,6 +272,62 @@ def format_batch_sweep(r: dict) -> str:
     return "\n".join(lines)
 
 
+def run_concurrency(config: Config, concurrency: int, max_tokens: int = 64, progress=print) -> dict:
+    """Continuous batching measured from the client's side: the server in this process, one streaming request
+    alone, then `concurrency` different requests at once; wall times, their ratio, each request's TTFT and TPOT."""
+    import concurrent.futures
+
+    from .client import stream_chat
+    from .engine import Engine
+    from .server import BackgroundServer
+
+    progress(f"kvbook bench: [1/3] loading the model ({config.model.num_hidden_layers} layers) ...")
+    engine = Engine(config, progress=False)
+    messages = [[{"role": "user", "content": f"Request {i + 1}: what does a KV cache store, and why?"}]
+                for i in range(concurrency)]
+    with BackgroundServer(engine, record_timeline=True) as server:
+        ask = {"model": config.model.name, "api_base": server.api_base, "config": config, "ignore_eos": True}
+
+        def timed(message, tokens=max_tokens):
+            started = time.perf_counter()
+            result = stream_chat(message, max_tokens=tokens, **ask)
+            if result.status != 200 or result.error or result.usage["completion_tokens"] != tokens:
+                raise RuntimeError(f"the server did not answer a benchmark request: {result.status} {result.error}")
+            return result, time.perf_counter() - started
+
+        timed(messages[0], 2)  # warm-up
+        progress("kvbook bench: [2/3] one request alone ...")
+        alone, alone_s = timed(messages[0])
+        progress(f"kvbook bench: [3/3] {concurrency} requests at once ...")
+        started = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as clients:
+            together = list(clients.map(timed, messages))
+        concurrent_s = time.perf_counter() - started
+        batches = [len(step.seq_ids) for step in server.scheduler.timeline if step.phase == "decode"]
+    return {"device": str(engine.device), "concurrency": concurrency, "max_tokens": max_tokens,
+            "max_num_seqs": config.server.max_num_seqs,
+            "decode_dtype": str(server.scheduler.decode_dtype).removeprefix("torch."),
+            "alone_s": alone_s, "concurrent_s": concurrent_s, "ratio": concurrent_s / alone_s,
+            "alone": {"ttft_ms": alone.ttft_s * 1e3, "tpot_ms": (alone.tpot_s or 0) * 1e3},
+            "requests": [{"ttft_ms": r.ttft_s * 1e3, "tpot_ms": (r.tpot_s or 0) * 1e3, "s": s} for r, s in together],
+            "tokens_per_s": {"alone": max_tokens / alone_s, "concurrent": concurrency * max_tokens / concurrent_s},
+            "max_decode_batch": max(batches)}
+
+
+def format_concurrency(r: dict) -> str:
+    lines = [f"concurrency on {r['device']}: {r['concurrency']} requests of {r['max_tokens']} new tokens through the "
+             f"server (max_num_seqs {r['max_num_seqs']}, decode in {r['decode_dtype']})",
+             f"  one alone:   {r['alone_s']:7.2f} s  TTFT {r['alone']['ttft_ms']:7.1f} ms  TPOT "
+             f"{r['alone']['tpot_ms']:6.1f} ms  {r['tokens_per_s']['alone']:6.1f} tokens/s",
+             f"  {r['concurrency']} at once: {r['concurrent_s']:7.2f} s = {r['ratio']:.2f} x one request "
+             f"(a queue: ~{r['concurrency']} x); {r['tokens_per_s']['concurrent']:.1f} tokens/s; "
+             f"up to {r['max_decode_batch']} requests per decode step",
+             f"  {'request':>9s}{'TTFT ms':>10s}{'TPOT ms':>10s}{'done s':>8s}"]
+    for i, row in enumerate(r["requests"], start=1):
+        lines.append(f"  {i:9d}{row['ttft_ms']:10.1f}{row['tpot_ms']:10.1f}{row['s']:8.2f}")
+    return "\n".join(lines)
+
+
 def run_roofline(config_path: str, overrides: list[str], repeats: int = 3, progress=print) -> dict:
     """The per-op roofline (kvbook.roofline) with this machine's bandwidth probe: which phase is bound by what."""
     progress("kvbook bench: [1/2] bandwidth probe ...")

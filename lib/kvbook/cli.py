@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="instead: FLOPs, bytes, time and achieved rates of every op in prefill and one decode step")
     bench.add_argument("--batch-sweep", metavar="SIZES",
                        help="instead: TPOT, tokens/s and KV memory for each batch size, e.g. 1,2,4,8,16,32")
+    bench.add_argument("--concurrency", type=int, metavar="N",
+                       help="instead: one request alone, then N at once, through the server (continuous batching)")
+    bench.add_argument("--max-tokens", type=int, default=64,
+                       help="with --concurrency: new tokens per request (default: %(default)s)")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     return parser
 
@@ -154,6 +158,14 @@ def cmd_bench(config: Config, args) -> None:
             raise ConfigError(f"--batch-sweep {args.batch_sweep!r}: batch sizes must be >= 1")
         result = run_batch_sweep(config, args.config, args.overrides, sizes, args.steps, progress=progress)
         print(json.dumps(result) if args.json else format_batch_sweep(result))
+        return
+    if args.concurrency is not None:
+        from .bench import format_concurrency, run_concurrency
+
+        if args.concurrency < 1 or args.max_tokens < 1:
+            raise ConfigError("--concurrency and --max-tokens must be >= 1")
+        result = run_concurrency(config, args.concurrency, args.max_tokens, progress=progress)
+        print(json.dumps(result) if args.json else format_concurrency(result))
         return
     if args.roofline:
         from .bench import format_roofline, run_roofline
