@@ -113,3 +113,18 @@ def test_a_bad_request_is_refused_when_added(weight_cache):
     with pytest.raises(ValueError, match="max_position_embeddings is 256"):
         scheduler.add(list(range(200)), 100)
     assert not scheduler.has_work
+
+
+def test_a_bfloat16_row_computes_the_same_alone_as_in_a_batch():
+    # at real widths this CPU's bfloat16 kernel for one row rounds differently from the one for several rows;
+    # kvbook.linear computes a lone row as two, so a sequence's decode step does not depend on the batch
+    import torch
+    from kvbook.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(4096, 1024, dtype=torch.float16)
+    layer.weight.data = (torch.randn(1024, 4096) * 0.02).half()
+    layer.prefill_weight = layer.weight.to(torch.bfloat16)
+    x = torch.randn(8, 1, 4096).bfloat16()  # [B, 1, hidden]: one decode position per sequence
+    batched = layer(x)
+    assert all(torch.equal(batched[b:b + 1], layer(x[b:b + 1])) for b in range(8))
