@@ -220,7 +220,7 @@ def test_logs_show_each_layers_cache_growing(server, caplog):
     caplog.set_level(logging.INFO, logger="kvbook.server")
     reply = post(server, {"model": MODEL, "messages": HELLO, "max_tokens": 4, "ignore_eos": True}).json()
     prompt = reply["usage"]["prompt_tokens"]
-    steps = [r.getMessage() for r in caplog.records if " step " in r.getMessage()]
+    steps = [r.getMessage() for r in caplog.records if " cache_len per layer " in r.getMessage()]
     assert [s.split("cache_len per layer ")[1].split("]")[0] + "]" for s in steps] == [
         str([prompt + i, prompt + i]) for i in (1, 2, 3)]
     summary = [r.getMessage() for r in caplog.records if " done " in r.getMessage()][-1]
