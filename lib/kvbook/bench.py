@@ -321,7 +321,7 @@ def format_concurrency(r: dict) -> str:
              f"{r['alone']['tpot_ms']:6.1f} ms  {r['tokens_per_s']['alone']:6.1f} tokens/s",
              f"  {r['concurrency']} at once: {r['concurrent_s']:7.2f} s = {r['ratio']:.2f} x one request "
              f"(a queue: ~{r['concurrency']} x); {r['tokens_per_s']['concurrent']:.1f} tokens/s; "
-             f"up to {r['max_decode_batch']} requests per decode step",
+             f"largest decode batch {r['max_decode_batch']}",
              f"  {'request':>9s}{'TTFT ms':>10s}{'TPOT ms':>10s}{'done s':>8s}"]
     for i, row in enumerate(r["requests"], start=1):
         lines.append(f"  {i:9d}{row['ttft_ms']:10.1f}{row['tpot_ms']:10.1f}{row['s']:8.2f}")
