@@ -163,10 +163,12 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True) 
     with ThreadPoolExecutor(os.cpu_count()) as pool, tqdm(
             total=total, unit="param", unit_scale=True, desc="kvbook: drawing random weights",
             disable=not progress) as bar:
-        futures = {name: pool.submit(draw, name, shape) for name, shape in shapes.items()}
+        # largest first (embedding and lm_head, a third of the work each), so no thread is left with a big one
+        largest_first = sorted(shapes.items(), key=lambda item: -torch.Size(item[1]).numel())
+        futures = {name: pool.submit(draw, name, shape) for name, shape in largest_first}
         weights = {}
-        for name, future in futures.items():
-            weights[name] = future.result()
+        for name in shapes:  # the config's order, whatever order they were drawn in
+            weights[name] = futures[name].result()
             bar.update(weights[name].numel())
     return weights
 
