@@ -178,6 +178,19 @@ def test_a_failed_forward_pass_is_a_500_and_the_server_keeps_serving(server, mon
     assert post(server, body).json()["usage"]["completion_tokens"] == 4
 
 
+def test_a_bug_in_the_scheduler_fails_the_requests_instead_of_hanging_them(server, monkeypatch):
+    def broken(*args):
+        raise KeyError("bookkeeping bug (simulated)")
+
+    monkeypatch.setattr(server.app.state.scheduler.scheduler, "_record", broken)
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "ignore_eos": True}
+    reply = post(server, body)
+    assert reply.status_code == 500 and "bookkeeping bug (simulated)" in reply.json()["error"]["message"]
+    monkeypatch.undo()
+    assert post(server, body).json()["usage"]["completion_tokens"] == 4
+    assert server.scheduler.engine.pool is None or server.scheduler.engine.pool.used_blocks == 0
+
+
 def test_a_shared_system_prompt_is_prefilled_once(engine, monkeypatch):
     monkeypatch.delenv(KEY_ENV, raising=False)
     cached = Engine(engine.config.replace(kv_cache={"layout": "paged", "prefix_caching": True}), model=engine.model,

@@ -224,7 +224,15 @@ class SchedulerThread:
     def _loop(self) -> None:
         while not self.closed:
             self._read_inbox(wait=not self.scheduler.has_work)
-            for seq in self.scheduler.step():
+            try:
+                stepped = self.scheduler.step()
+            except Exception as err:  # noqa: BLE001 - a bug outside the forward pass: fail the requests, never hang
+                log.exception("scheduler step failed; failing every request in flight")
+                for seq, ticket in self.tickets.items():
+                    ticket.deliver(err)
+                    self.scheduler.abort(seq)
+                continue
+            for seq in stepped:
                 ticket = self.tickets[seq]
                 ticket.deliver(seq.error if seq.error is not None else seq.steps[-1])
             for seq in [seq for seq in self.tickets if seq.finished]:
