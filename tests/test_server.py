@@ -163,32 +163,24 @@ def test_eight_concurrent_requests_are_each_answered_as_if_alone(server):
     assert decode_batches.count(1) >= 8 * 4  # the eight runs alone: one sequence per step
 
 
-def test_a_failed_forward_pass_is_a_500_and_the_server_keeps_serving(server, monkeypatch):
+@pytest.mark.parametrize("method, error", [
+    ("_decode", RuntimeError("out of memory (simulated)")),  # inside a forward pass: that pass's requests fail
+    ("_record", KeyError("bookkeeping bug (simulated)")),  # a bug after it: every request in flight fails
+])
+def test_a_failure_in_the_scheduler_is_a_500_and_the_server_keeps_serving(server, monkeypatch, method, error):
     def broken(*args):
-        raise RuntimeError("out of memory (simulated)")
+        raise error
 
-    monkeypatch.setattr(server.app.state.scheduler.scheduler, "_decode", broken)
+    monkeypatch.setattr(server.app.state.scheduler.scheduler, method, broken)
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "ignore_eos": True}
     reply = post(server, body)
     assert reply.status_code == 500
-    assert reply.json()["error"]["message"] == "generation failed: out of memory (simulated)"
+    assert reply.json()["error"]["message"] == f"generation failed: {error}"
     streamed = post(server, {**body, "stream": True}).text
-    assert "generation failed: out of memory (simulated)" in streamed and "[DONE]" not in streamed
+    assert f"generation failed: {error}" in streamed and "[DONE]" not in streamed
     monkeypatch.undo()
     assert post(server, body).json()["usage"]["completion_tokens"] == 4
-
-
-def test_a_bug_in_the_scheduler_fails_the_requests_instead_of_hanging_them(server, monkeypatch):
-    def broken(*args):
-        raise KeyError("bookkeeping bug (simulated)")
-
-    monkeypatch.setattr(server.app.state.scheduler.scheduler, "_record", broken)
-    body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "ignore_eos": True}
-    reply = post(server, body)
-    assert reply.status_code == 500 and "bookkeeping bug (simulated)" in reply.json()["error"]["message"]
-    monkeypatch.undo()
-    assert post(server, body).json()["usage"]["completion_tokens"] == 4
-    assert server.scheduler.engine.pool is None or server.scheduler.engine.pool.used_blocks == 0
+    assert not server.scheduler.running and not server.scheduler.waiting  # the failed requests left
 
 
 def test_a_shared_system_prompt_is_prefilled_once(engine, monkeypatch):
