@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The device check, for a machine with an NVIDIA GPU: the engine's trace, the bench against transformers and
-# every chapter under nbval, all on cuda. Results go to $OUT (default gpu_results/); record them in
+# The device check, for a machine with an NVIDIA GPU: the engine's trace, the bench against transformers, the
+# batch sweep, 8 concurrent requests through the server, and every chapter under nbval, all on cuda. Results go to $OUT (default gpu_results/); record them in
 # BENCHMARKS.md. Run from a checkout with .venv set up (make venv), or with a python that has requirements.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,10 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
   > "$OUT/torch.txt" 2>&1
 "$PY" -m kvbook trace --json > "$OUT/trace.json" 2> "$OUT/trace.err"; echo "trace: $?"
 "$PY" -m kvbook bench --against transformers --json > "$OUT/bench.json" 2> "$OUT/bench.err"; echo "bench: $?"
+"$PY" -m kvbook bench --batch-sweep 1,2,4,8,16,32 --steps 8 --json > "$OUT/batch_sweep.json" \
+  2> "$OUT/batch_sweep.err"; echo "batch sweep: $?"
+"$PY" -m kvbook bench --concurrency 8 --max-tokens 64 --json > "$OUT/concurrency.json" 2> "$OUT/concurrency.err"
+echo "concurrency: $?"
 cat tests/nbval_sanitize.cfg tests/nbval_sanitize_gpu.cfg > "$OUT/sanitize.cfg"
 "$PY" -m pytest -q -p no:cacheprovider --nbval chapters --nbval-sanitize-with "$OUT/sanitize.cfg" \
   > "$OUT/nbval.txt" 2>&1; echo "nbval: $?"
