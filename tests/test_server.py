@@ -272,4 +272,5 @@ def test_serve_command_starts_a_working_server(tmp_path):
         process.terminate()
         stderr = process.communicate(timeout=30)[1]
     assert f"at http://127.0.0.1:{port}/api/v1/chat/completions (API key not required" in stderr
+    assert "up to 8 requests decoded together; prefix caching off" in stderr
     assert "cache_len per layer" in stderr  # the step log, at the default level

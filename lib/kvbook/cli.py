@@ -140,7 +140,9 @@ def cmd_serve(config: Config, args) -> None:
     engine = Engine(config)
     key_state = "required" if os.environ.get(config.server.api_key_env) else "not required"
     print(f"kvbook: serving {config.model.name!r} on {engine.device} at http://{host}:{port}{base.path}"
-          f"{config.server.model_endpoint} (API key {key_state}: {config.server.api_key_env})", file=sys.stderr)
+          f"{config.server.model_endpoint} (API key {key_state}: {config.server.api_key_env}; up to "
+          f"{config.server.max_num_seqs} requests decoded together; prefix caching "
+          f"{'on' if config.kv_cache.prefix_caching else 'off'})", file=sys.stderr)
     uvicorn.run(create_app(engine), host=host, port=port, log_level=args.log_level)
 
 
