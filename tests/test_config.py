@@ -60,6 +60,8 @@ def test_kv_heads_default_to_attention_heads():
     ("kv_cache", "expected section.key=value"),
     ("kv_cache.layout=blocks", "[kv_cache] layout = 'blocks': must be one of 'contiguous', 'paged'"),
     ("kv_cache.pool_mib=-1", "[kv_cache] pool_mib = -1: must be >= 0"),
+    ("server.max_num_seqs=0", "[server] max_num_seqs = 0: must be > 0"),
+    ("server.prefill_chunk=-16", "[server] prefill_chunk = -16: must be >= 0 (0 = whole prompts)"),
 ])
 def test_bad_settings_are_one_line_errors_naming_the_key(override, fragment):
     with pytest.raises(ConfigError) as err:

@@ -128,3 +128,40 @@ def test_a_bfloat16_row_computes_the_same_alone_as_in_a_batch():
     x = torch.randn(8, 1, 4096).bfloat16()  # [B, 1, hidden]: one decode position per sequence
     batched = layer(x)
     assert all(torch.equal(batched[b:b + 1], layer(x[b:b + 1])) for b in range(8))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_chunked_prefill_interleaves_decode_steps_and_gives_the_same_tokens(weight_cache, layout, chunk):
+    engine = make_engine(layout=layout)
+    scheduler = Scheduler(engine, max_num_seqs=8, record_timeline=True, prefill_chunk=chunk)
+    running = scheduler.add(PROMPTS[0], 60, ignore_eos=True)  # still decoding when the long prompt is done
+    for _ in range(3):  # its own prefill chunks and first decode steps
+        scheduler.step()
+    long = scheduler.add(PROMPTS[4], 6, ignore_eos=True)  # 40 prompt positions, in chunks
+    scheduler.run_until_done()
+    chunks = -(-len(PROMPTS[4]) // chunk)
+    passes = [s for s in scheduler.timeline if long.seq_id in s.seq_ids]
+    assert [s.phase for s in passes[:chunks]] == ["prefill"] * chunks and passes[chunks].phase == "decode"
+    assert [s.cache_lens[long.seq_id] for s in passes[:chunks]] == \
+        [min(len(PROMPTS[4]), chunk * (i + 1)) for i in range(chunks)]
+    between = scheduler.timeline[passes[0].index:passes[chunks - 1].index + 1]
+    assert all(s.phase == "decode" for s in between[1::2]) and len(between) == 2 * chunks - 1  # chunk, step, chunk
+    assert long.steps[0].positions_computed == len(PROMPTS[4])
+    assert long.steps[0].ms == pytest.approx(sum(s.ms for s in passes[:chunks]))
+    assert long.output_ids == engine.generate(PROMPTS[4], 6, ignore_eos=True).output_ids
+    assert running.output_ids == engine.generate(PROMPTS[0], 60, ignore_eos=True).output_ids
+
+
+def test_chunked_prefill_after_a_prefix_cache_hit(weight_cache):
+    engine = make_engine(prefix_caching=True)
+    first = Scheduler(engine, max_num_seqs=8)
+    first.add(PROMPTS[4], 2, ignore_eos=True)
+    first.run_until_done()
+    scheduler = Scheduler(engine, max_num_seqs=8, record_timeline=True, prefill_chunk=5)
+    prompt = PROMPTS[4][:32] + list(range(600, 611))  # 2 cached blocks, then 11 new positions: 3 chunks
+    seq = scheduler.add(prompt, 4, ignore_eos=True)
+    scheduler.run_until_done()
+    assert seq.cached_positions == 32 and seq.steps[0].positions_computed == 11
+    assert [s.cache_lens[0] for s in scheduler.timeline if s.phase == "prefill"] == [37, 42, 43]
+    assert seq.output_ids == make_engine().generate(prompt, 4, ignore_eos=True).output_ids

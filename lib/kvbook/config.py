@@ -141,9 +141,14 @@ class ServerConfig:
     model_endpoint: str = "/v1/chat/completions"
     # requests decoded together (continuous batching); 1 = one request at a time (chapter 11, "Tuning the service")
     max_num_seqs: int = 8
+    # prompt positions per prefill pass, with decode steps of the running requests between passes (vLLM's chunked
+    # prefill); 0 = a whole prompt in one pass
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         _positive("server", self, "max_num_seqs")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"[server] prefill_chunk = {self.prefill_chunk}: must be >= 0 (0 = whole prompts)")
         if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", self.api_base):
             raise ConfigError(f"[server] api_base = {self.api_base!r}: must be an http(s) URL such as "
                               "\"http://127.0.0.1:8000/api\"")

@@ -135,16 +135,20 @@ class Engine:
                                 self.config.model.max_position_embeddings)
         return KVCache(self.config.model, kv, self.device)
 
-    def prefill(self, cache, prompt: list[int]) -> tuple[torch.Tensor, int]:
-        """Fill an empty cache with the prompt -> (logits of the last position [1, 1, vocab], positions reused).
-        With prefix caching the prompt's leading full blocks already in the pool are reused, not computed."""
-        reused = cache.reuse_prefix(prompt) if self.prefix_caching else 0
-        ids = torch.tensor([prompt[reused:]], device=self.device)  # [1, 256 - reused]
-        positions = torch.arange(reused, len(prompt), device=self.device)  # [256 - reused]
+    def prefill(self, cache, prompt: list[int], chunk: int = 0) -> tuple[torch.Tensor, int]:
+        """Fill the cache with the prompt from where it stands -> (logits of the last position computed
+        [1, 1, vocab], positions reused). On an empty cache with prefix caching, the prompt's leading full blocks
+        already in the pool are reused, not computed. chunk > 0: at most chunk positions in this call (chunked
+        prefill, kvbook.scheduler); call again until cache.length == len(prompt)."""
+        reused = cache.reuse_prefix(prompt) if self.prefix_caching and cache.length == 0 else 0
+        start = cache.length
+        end = min(len(prompt), start + chunk) if chunk > 0 else len(prompt)
+        ids = torch.tensor([prompt[start:end]], device=self.device)  # [1, 256 - reused] in one pass
+        positions = torch.arange(start, end, device=self.device)  # [256 - reused]
         with torch.inference_mode():
             logits = self.model(ids, positions, cache, compute_dtype=self.prefill_dtype)  # [1, 1, 151936]
         if self.prefix_caching:
-            cache.register_full_blocks(prompt)
+            cache.register_full_blocks(prompt[:end])
         return logits, reused
 
     def prepare_batched_decode(self) -> None:

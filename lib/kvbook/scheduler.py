@@ -7,6 +7,10 @@ and, with the paged layout, when the pool's free blocks cover the worst case of 
 the new one (prompt + max_new_tokens - 1 positions): a running sequence never waits for memory. Finished and
 aborted sequences give their blocks back at once.
 
+With prefill_chunk > 0 ([server] prefill_chunk, vLLM's chunked prefill) a prompt is prefilled at most
+prefill_chunk positions per pass, and a decode step of the running sequences runs between its chunks: a long
+prompt no longer stalls everyone's next token for its whole prefill. Its first token comes after the last chunk.
+
 A sequence's tokens do not depend on its neighbours: each row of a decode step attends to its own cache, and
 the step computes in one dtype whatever the batch size (Engine.batch_dtype; bfloat16 on a CPU with float16
 weights, see kvbook.linear). With max_num_seqs = 1 there is never a batch and decode runs in the weights'
@@ -42,6 +46,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     error: Exception | None = None
     cached_positions: int = 0  # prompt positions taken from the prefix cache instead of computed
+    prefill_ms: float = 0.0  # chunked prefill: the passes of its chunks so far
     aborted: bool = False  # set from any thread; the scheduler frees the sequence at its next step
     cache: object = field(default=None, repr=False)
     generator: torch.Generator | None = field(default=None, repr=False)
@@ -76,11 +81,12 @@ class BatchStep:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_num_seqs: int, record_timeline: bool = False):
+    def __init__(self, engine: Engine, max_num_seqs: int, record_timeline: bool = False, prefill_chunk: int = 0):
         if not engine.config.kv_cache.enable:
             raise ValueError("batched generation needs the KV cache; set kv_cache.enable = true")
         self.engine = engine
         self.max_num_seqs = max_num_seqs
+        self.prefill_chunk = prefill_chunk
         self.decode_dtype = engine.batch_dtype if max_num_seqs > 1 else engine.dtype
         if self.decode_dtype != engine.dtype:
             engine.prepare_batched_decode()
@@ -88,6 +94,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.timeline: list[BatchStep] | None = [] if record_timeline else None
         self._next_id = 0
+        self._last_phase = ""
 
     def add(self, prompt: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
             top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False) -> Sequence:
@@ -111,14 +118,19 @@ class Scheduler:
     def step(self) -> list[Sequence]:
         """One forward pass; returns the sequences that got a token (each has it as steps[-1]) or failed."""
         self._drop_aborted()
-        if self.waiting and self._can_admit(self.waiting[0]):
+        decoding = [s for s in self.running if s.steps]
+        prefilling = next((s for s in self.running if not s.steps), None)  # between two chunks of its prompt
+        if prefilling is not None and not (decoding and self._last_phase == "prefill"):
+            batch, phase = [prefilling], "prefill"  # its next chunk; a decode step ran since the last one
+        elif prefilling is None and self.waiting and self._can_admit(self.waiting[0]):
             batch = [self.waiting.popleft()]
             self.running.append(batch[0])
             phase = "prefill"
-        elif self.running:
-            batch, phase = list(self.running), "decode"
+        elif decoding:
+            batch, phase = decoding, "decode"
         else:
             return []
+        self._last_phase = phase
         started = time.perf_counter()
         try:
             tokens = self._prefill(batch[0]) if phase == "prefill" else self._decode(batch)
@@ -128,9 +140,14 @@ class Scheduler:
             self._retire(batch)
             return batch
         ms = (time.perf_counter() - started) * 1e3
+        if not tokens:  # a chunk of a prompt that is not finished: no token yet
+            batch[0].prefill_ms += ms
+            self._record(phase, ms, batch)
+            return []
         for seq, token in zip(batch, tokens, strict=True):
             computed = len(seq.prompt) - seq.cached_positions if phase == "prefill" else 1
-            seq.steps.append(make_step(len(seq.steps), phase, token, ms, seq.cache, computed))
+            step_ms = seq.prefill_ms + ms if phase == "prefill" else ms  # TTFT's compute: every chunk
+            seq.steps.append(make_step(len(seq.steps), phase, token, step_ms, seq.cache, computed))
             if self.engine.prefix_caching:
                 seq.cache.register_full_blocks(seq.prompt + seq.output_ids)
             seq.finish_reason = seq._done_after(token)
@@ -149,8 +166,14 @@ class Scheduler:
     # -- internals --
 
     def _prefill(self, seq: Sequence) -> list[int]:
-        seq.cache = self.engine.new_cache()
-        logits, seq.cached_positions = self.engine.prefill(seq.cache, seq.prompt)  # [1, 1, vocab]
+        """The prompt, or its next chunk: [first token] once the whole prompt is in the cache, else []."""
+        if seq.cache is None:
+            seq.cache = self.engine.new_cache()
+            logits, seq.cached_positions = self.engine.prefill(seq.cache, seq.prompt, self.prefill_chunk)
+        else:
+            logits, _ = self.engine.prefill(seq.cache, seq.prompt, self.prefill_chunk)  # [1, 1, vocab]
+        if seq.cache.length < len(seq.prompt):
+            return []
         return [sample_next(logits[0, -1], seq.temperature, seq.top_p, seq.generator)]
 
     def _decode(self, batch: list[Sequence]) -> list[int]:

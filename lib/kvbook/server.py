@@ -199,7 +199,8 @@ class SchedulerThread:
     The event loop only puts tickets and aborts in the inbox; the thread alone touches the scheduler."""
 
     def __init__(self, engine: Engine, record_timeline: bool = False):
-        self.scheduler = Scheduler(engine, engine.config.server.max_num_seqs, record_timeline)
+        server = engine.config.server
+        self.scheduler = Scheduler(engine, server.max_num_seqs, record_timeline, server.prefill_chunk)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.tickets: dict[Sequence, Ticket] = {}
         self.closed = False
