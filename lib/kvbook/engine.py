@@ -156,6 +156,14 @@ class Engine:
         if self.batch_dtype != self.dtype and self.model.lm_head.prefill_weight is None:
             self.model.lm_head.prefill_weight = self.model.lm_head.weight.to(self.batch_dtype)
 
+    def sampling_generator(self, temperature: float, top_p: float, seed: int | None) -> torch.Generator | None:
+        """Check the sampling options -> the sequence's own seeded generator (None for greedy decoding)."""
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
+        if temperature == 0:
+            return None
+        return torch.Generator(self.device).manual_seed(seed if seed is not None else 0)
+
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         """Refuse, before any work, a request that the positions or the cache cannot hold."""
         if prompt_len < 1:
@@ -191,11 +199,7 @@ class Engine:
         if max_new_tokens is None:
             max_new_tokens = self.config.inference.output_len
         self.check_request(len(input_ids), max_new_tokens)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
-        generator = None
-        if temperature > 0:
-            generator = torch.Generator(self.device).manual_seed(seed if seed is not None else 0)
+        generator = self.sampling_generator(temperature, top_p, seed)
         cache = self.new_cache()
         try:
             yield from self._steps(cache, input_ids, max_new_tokens, temperature, top_p, generator, ignore_eos,

@@ -102,11 +102,8 @@ class Scheduler:
         if max_new_tokens is None:
             max_new_tokens = self.engine.config.inference.output_len
         self.engine.check_request(len(prompt), max_new_tokens)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
-        seq = Sequence(self._next_id, list(prompt), max_new_tokens, temperature, top_p, seed, ignore_eos)
-        if temperature > 0:
-            seq.generator = torch.Generator(self.engine.device).manual_seed(seed if seed is not None else 0)
+        seq = Sequence(self._next_id, list(prompt), max_new_tokens, temperature, top_p, seed, ignore_eos,
+                       generator=self.engine.sampling_generator(temperature, top_p, seed))
         self._next_id += 1
         self.waiting.append(seq)
         return seq
@@ -167,11 +164,12 @@ class Scheduler:
 
     def _prefill(self, seq: Sequence) -> list[int]:
         """The prompt, or its next chunk: [first token] once the whole prompt is in the cache, else []."""
-        if seq.cache is None:
+        first_chunk = seq.cache is None
+        if first_chunk:
             seq.cache = self.engine.new_cache()
-            logits, seq.cached_positions = self.engine.prefill(seq.cache, seq.prompt, self.prefill_chunk)
-        else:
-            logits, _ = self.engine.prefill(seq.cache, seq.prompt, self.prefill_chunk)  # [1, 1, vocab]
+        logits, reused = self.engine.prefill(seq.cache, seq.prompt, self.prefill_chunk)  # [1, 1, vocab]
+        if first_chunk:
+            seq.cached_positions = reused
         if seq.cache.length < len(seq.prompt):
             return []
         return [sample_next(logits[0, -1], seq.temperature, seq.top_p, seq.generator)]
