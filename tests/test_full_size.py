@@ -51,3 +51,15 @@ def test_paged_trace_reports_blocks_and_gives_the_same_tokens(contiguous):
     assert paged["decode"][-1]["blocks"] == 24
     assert paged["decode"][0]["k"] == [1, 32, 257, 128]
     assert paged["output_ids"] == contiguous["output_ids"]
+
+
+def test_fixed_shape_decode_step_at_full_size_matches_the_ordinary_one():
+    """The step a GPU replays from a CUDA graph (kvbook.cuda_graph), run eagerly on the CPU, captured on CUDA."""
+    from kvbook.config import load_config
+    from kvbook.cuda_graph import compare_with_ordinary
+    from kvbook.engine import Engine
+
+    engine = Engine(load_config("config.toml"), progress=False)
+    result = compare_with_ordinary(engine, list(range(1000, 1020)), steps=3)
+    assert result["positions"] == 23
+    assert result["same_tokens"] and result["max_logit_diff"] < 0.05  # float16 logits of size ~1

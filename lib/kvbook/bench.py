@@ -110,6 +110,7 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
                      cache, compute_dtype=engine.prefill_dtype)
     return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
             "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": str(engine.prefill_dtype),
+            "cuda_graphs": engine.decoder is not None,
             "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length, "batch_size": batch}
 
 
@@ -233,6 +234,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
                                                  config.kv_cache.cache_dtype),
         "kv_cache_positions": engine["kv_cache_positions"],
         "device": engine["device"], "dtype": config.inference.dtype, "prefill_dtype": engine["prefill_dtype"],
+        "cuda_graphs": engine["cuda_graphs"],
         "input_len": config.inference.input_len, "decode_steps": steps, "repeats": repeats, "rounds": rounds,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
@@ -383,7 +385,8 @@ def format_table(r: dict) -> str:
     peer = r.get("transformers", {})
     lines = [f"kvbook bench on {r['device']} ({r['machine']['cpu_count']} CPUs), {r['dtype']} weights, prefill in "
              f"{r['prefill_dtype'].removeprefix('torch.')}, prompt {r['input_len']}, {r['decode_steps']} decode steps "
-             f"x {r['repeats']} runs x {r['rounds']} rounds (medians)",
+             f"x {r['repeats']} runs x {r['rounds']} rounds (medians)"
+             + ("; decode through CUDA graphs" if r.get("cuda_graphs") else ""),
              f"{'':28s}{'kvbook':>12s}{'transformers':>14s}"]
 
     def row(label, ours, theirs, fmt):

@@ -104,6 +104,8 @@ class InferenceConfig:
     device: str = "cuda:0"
     # "auto": bfloat16 for a float16 model on the CPU (no native float16 arithmetic there), else dtype
     prefill_dtype: str = "auto"
+    # on a GPU, single-sequence decode steps replay captured CUDA graphs (kvbook.cuda_graph); ignored on the CPU
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _positive("inference", self, "batch_size", "input_len", "output_len")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from . import cuda_graph
 from .config import Config
 from .device import TORCH_DTYPES, resolve_device, resolve_prefill_dtype, synchronize
 from .kv_cache import CacheFullError, KVCache
@@ -114,6 +115,8 @@ class Engine:
         # the paged layout's pool of blocks, shared by every sequence this engine runs
         self.pool = BlockPool(config.model, config.kv_cache, self.device) if config.kv_cache.layout == "paged" \
             else None
+        # on a GPU, one sequence at a time decodes through captured CUDA graphs on the decoder's own cache
+        self.decoder = cuda_graph.GraphedDecoder(self) if cuda_graph.wanted(config, self.device) else None
 
     @classmethod
     def from_checkpoint(cls, config: Config, directory: str | Path, num_layers: int | None = None) -> Engine:
@@ -200,11 +203,15 @@ class Engine:
             max_new_tokens = self.config.inference.output_len
         self.check_request(len(input_ids), max_new_tokens)
         generator = self.sampling_generator(temperature, top_p, seed)
-        cache = self.new_cache()
+        # the graphed decoder's cache, unless another open stream holds it or a tracer wants every module's shapes
+        graphed = self.decoder is not None and tracer is None and self.decoder.acquire() is not None
+        cache = self.decoder.cache if graphed else self.new_cache()
         try:
             yield from self._steps(cache, input_ids, max_new_tokens, temperature, top_p, generator, ignore_eos,
                                    tracer)
         finally:
+            if graphed:
+                self.decoder.release()
             if isinstance(cache, PagedKVCache):
                 cache.free()  # the blocks go back to the pool, also when the caller stops early
 
@@ -223,9 +230,12 @@ class Engine:
                         ids, first, compute_dtype = tokens, 0, self.prefill_dtype  # 256 + index positions
                     else:  # decode: only the token generated last, at the next position
                         ids, first, compute_dtype = tokens[-1:], len(tokens) - 1, self.dtype
-                    logits = self.model(torch.tensor([ids], device=self.device),
-                                        torch.arange(first, len(tokens), device=self.device), cache,
-                                        compute_dtype=compute_dtype)  # [1, 1, 151936]
+                    if self.decoder is not None and cache is self.decoder.cache:
+                        logits = self.decoder.step(tokens[-1])  # the same step, replayed from a CUDA graph
+                    else:
+                        logits = self.model(torch.tensor([ids], device=self.device),
+                                            torch.arange(first, len(tokens), device=self.device), cache,
+                                            compute_dtype=compute_dtype)  # [1, 1, 151936]
                     computed = len(ids)
                 token = sample_next(logits[0, -1], temperature, top_p, generator)
                 synchronize(self.device)

@@ -87,3 +87,34 @@ class KVCache(LayeredCache):
     def reserved_bytes(self) -> int:
         """Bytes preallocated for max_cache_len positions."""
         return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+
+
+class BucketedLayerView:
+    """One layer of a BucketedCache: writes at a position tensor, reads a fixed number of positions."""
+
+    def __init__(self, layer: LayerKVCache, position: torch.Tensor, bucket: int):
+        self.layer, self.position, self.bucket = layer, position, bucket
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k_new, v_new [1, KV, 1, D] -> K and V of the first `bucket` positions [1, KV, bucket, D]."""
+        self.layer.k.index_copy_(2, self.position, k_new.to(self.layer.k.dtype))  # at the position tensor
+        self.layer.v.index_copy_(2, self.position, v_new.to(self.layer.v.dtype))
+        return self.layer.k[:, :, :self.bucket], self.layer.v[:, :, :self.bucket]
+
+
+class BucketedCache(LayeredCache):
+    """A contiguous cache as a fixed-shape decode step sees it (kvbook.cuda_graph): the same shapes and addresses
+    at every position of a bucket, with a mask hiding the positions after the current one."""
+
+    def __init__(self, cache: KVCache, position: torch.Tensor, bucket: int):
+        self.layers = [BucketedLayerView(layer, position, bucket) for layer in cache.layers]
+        self.position = position  # [1], on the device
+        self.columns = torch.arange(bucket, device=position.device)  # [bucket]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].layer.length
+
+    def decode_mask(self) -> torch.Tensor:
+        """[bucket], True where the query may NOT look: the positions after the one being written."""
+        return self.columns > self.position

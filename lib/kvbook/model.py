@@ -11,7 +11,7 @@ from torch import nn
 
 from .attention import Attention
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import BucketedCache, KVCache
 from .linear import Linear
 from .mlp import MLP
 from .norm import RMSNorm
@@ -61,6 +61,9 @@ class Qwen3Model(nn.Module):
         if isinstance(cache, list):  # one position per sequence, each with its own angle: [B, 1, 1, 128]
             cos, sin, mask = cos[:, None, None], sin[:, None, None], None
             layer_caches = [[sequence[i] for sequence in cache] for i in range(len(self.layers))]
+        elif isinstance(cache, BucketedCache):  # a fixed-shape decode step (kvbook.cuda_graph)
+            mask = cache.decode_mask()  # [S], S = the bucket of positions attention reads
+            layer_caches = cache.layers
         else:
             history = cache.length if cache is not None else 0
             mask = causal_mask(input_ids.shape[1], history + input_ids.shape[1], x.device)  # [T, S]
