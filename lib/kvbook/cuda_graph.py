@@ -1,8 +1,8 @@
 """Decode steps with fixed shapes, replayed from captured CUDA graphs ([inference] cuda_graphs).
 
-On a GPU a decode step of the article's model moves ~2.46 GB in ~0.5 ms, but eager PyTorch launches every one of
-its ~100 small kernels from Python, at several microseconds of CPU time each: the step waits on Python, not on
-memory. A CUDA graph records the launches once and replays them all with one call. A replay reuses the recorded
+On a GPU a decode step of the article's model moves ~2.46 GB in ~0.5 ms, but eager PyTorch makes ~300 calls from
+Python for it, each dispatched (and, if it computes, launched as a kernel) at some microseconds of CPU time: the
+step waits on Python, not on memory. A CUDA graph records the launches once and replays them all with one call. A replay reuses the recorded
 shapes and memory addresses, so the step is written to keep them fixed:
 
 - the fed token and its position live in two device tensors, filled before each replay;
@@ -88,15 +88,17 @@ class GraphedDecoder:
         return self.engine.model(self.token, self.position, view, compute_dtype=self.engine.dtype)  # [1, 1, vocab]
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up on a side stream (cuBLAS handles, allocator), then record on the same stream. Both passes
-        write K and V of the current position, the same values the replay writes again."""
+        """Warm up on a side stream (cuBLAS handles, allocator), then record on the same stream. The warm-up runs
+        and writes K and V of the current position: the same values the replay writes again. The recording does
+        not run."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._forward(bucket)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        # thread_local: CUDA calls of other threads (a server's, the weight cache writer's) may not break the capture
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             logits = self._forward(bucket)
         self.pool = graph.pool()
         return graph, logits
