@@ -10,7 +10,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
                 generator: torch.Generator | None = None) -> int:
     """logits [vocab] -> one token id."""
     if temperature == 0:
-        return int(torch.argmax(logits))
+        # float16 -> float32 is exact, so the same token; on the CPU float16 argmax is not vectorized (0.65 ms
+        # over 151936 logits, against 0.09 ms for the cast and a float32 argmax)
+        return int(torch.argmax(logits.float()))
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # [vocab]
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
