@@ -4,7 +4,7 @@ next. (Capturing and replaying needs a GPU: scripts/gpu_check.sh runs the graphs
 
 import pytest
 import torch
-from kvbook.cuda_graph import GraphedDecoder, wanted
+from kvbook.cuda_graph import GraphedDecoder, count_torch_calls, wanted
 from kvbook.engine import Engine
 
 from .conftest import small_config
@@ -80,3 +80,10 @@ def test_graphs_only_on_cuda_with_the_contiguous_cache(weight_cache):
     assert not wanted(config.replace(kv_cache={"layout": "paged"}), gpu)
     assert not wanted(config.replace(kv_cache={"enable": False}), gpu)
     assert Engine(config, progress=False).decoder is None  # cuda_graphs = true by default, but this is the CPU
+
+
+def test_count_torch_calls_counts_calls_not_attribute_reads():
+    x = torch.ones(3)
+    assert count_torch_calls(lambda: (x.shape, x.dtype, x.sum())) == 1
+    assert count_torch_calls(lambda: torch.ones(2) + 1) == 2  # a factory and an add
+    assert count_torch_calls(lambda: None) == 0
