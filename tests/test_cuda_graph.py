@@ -87,3 +87,20 @@ def test_count_torch_calls_counts_calls_not_attribute_reads():
     assert count_torch_calls(lambda: (x.shape, x.dtype, x.sum())) == 1
     assert count_torch_calls(lambda: torch.ones(2) + 1) == 2  # a factory and an add
     assert count_torch_calls(lambda: None) == 0
+
+
+def test_a_failed_capture_falls_back_to_eager_with_one_notice(engine, capsys, weight_cache):
+    ordinary = Engine(small_config(output_len=20), model=engine.model, progress=False)
+    decoder = GraphedDecoder(engine, bucket_size=8, capture=True)
+
+    def fail(bucket):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    decoder._capture = fail
+    engine.decoder = decoder
+    tokens = engine.generate(PROMPT, 12, ignore_eos=True).output_ids
+    assert tokens == ordinary.generate(PROMPT, 12, ignore_eos=True).output_ids
+    notice = capsys.readouterr().err
+    assert notice.count("capturing a CUDA graph failed (operation not permitted") == 1
+    assert "cuda_graphs = false" in notice and "more detail" not in notice
+    assert decoder.capture is False

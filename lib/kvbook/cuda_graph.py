@@ -17,6 +17,8 @@ decode step there. Explained in chapter 7 ("Latency").
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -72,9 +74,14 @@ class GraphedDecoder:
         bucket = self.bucket(position)
         self.token.fill_(token)
         self.position.fill_(position)
-        if self.capture:
-            if bucket not in self.graphs:
+        if self.capture and bucket not in self.graphs:
+            try:
                 self.graphs[bucket] = self._capture(bucket)
+            except RuntimeError as error:  # an optimisation must not cost the reader the run
+                print(f"kvbook: capturing a CUDA graph failed ({str(error).splitlines()[0]}); decoding eagerly "
+                      "from here on. Set [inference] cuda_graphs = false to skip the attempt.", file=sys.stderr)
+                self.capture = False
+        if self.capture:
             graph, logits = self.graphs[bucket]
             graph.replay()
         else:
