@@ -18,6 +18,7 @@ decode step there. Explained in chapter 7 ("Latency").
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -50,19 +51,22 @@ class GraphedDecoder:
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)  # [1], where it goes in the cache
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its logits)
         self.pool = None  # one memory pool shared by every bucket's graph
-        self.in_use = False
+        self._holder = threading.Lock()  # held by the sequence decoding on self.cache
+
+    @property
+    def in_use(self) -> bool:
+        return self._holder.locked()
 
     def acquire(self) -> KVCache | None:
         """The decoder's cache, emptied, for a new sequence; None while another sequence holds it."""
-        if self.in_use:
+        if not self._holder.acquire(blocking=False):
             return None
-        self.in_use = True
         for layer in self.cache.layers:
             layer.length = 0  # stale positions stay, masked, until overwritten
         return self.cache
 
     def release(self) -> None:
-        self.in_use = False
+        self._holder.release()
 
     def bucket(self, position: int) -> int:
         """Cache positions attention reads at this position: 256 up to position 255, 512 up to 511, ..."""
