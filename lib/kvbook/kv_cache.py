@@ -111,10 +111,6 @@ class BucketedCache(LayeredCache):
         self.position = position  # [1], on the device
         self.columns = torch.arange(bucket, device=position.device)  # [bucket]
 
-    @property
-    def length(self) -> int:
-        return self.layers[0].layer.length
-
     def decode_mask(self) -> torch.Tensor:
         """[bucket], True where the query may NOT look: the positions after the one being written."""
         return self.columns > self.position
