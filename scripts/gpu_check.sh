@@ -25,8 +25,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 step graph_test graph_test.txt "$PY" -m pytest -q -p no:cacheprovider tests/test_full_size.py -k fixed_shape
 step bench bench.json "$PY" -m kvbook bench --against transformers --json
 step bench_eager bench_eager.json "$PY" -m kvbook bench --no-cold --set inference.cuda_graphs=false --json
-cat tests/nbval_sanitize.cfg tests/nbval_sanitize_gpu.cfg > "$OUT/sanitize.cfg"
-step nbval nbval.txt "$PY" -m pytest -q -p no:cacheprovider --nbval chapters --nbval-sanitize-with "$OUT/sanitize.cfg"
+step nbval nbval.txt "$PY" -m pytest -q -p no:cacheprovider --nbval chapters --nbval-sanitize-with tests/nbval_sanitize.cfg
 tail -3 "$OUT/nbval.txt"
 step trace trace.json "$PY" -m kvbook trace --json
 step batch_sweep batch_sweep.json "$PY" -m kvbook bench --batch-sweep 1,2,4,8,16,32 --steps 8 --json

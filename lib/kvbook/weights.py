@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -116,20 +117,29 @@ def attach_prefill_weights(model: Qwen3ForCausalLM, prefill: dict[str, torch.Ten
 
 
 _pending_saves: list[threading.Thread] = []
+log = logging.getLogger(__name__)
 
 
-def _save_atomically(tensors: dict[str, torch.Tensor], path: Path, progress: bool) -> None:
+def _save_atomically(tensors: dict[str, torch.Tensor], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".partial-{os.getpid()}-{threading.get_ident()}")
-    save_file(tensors, str(partial), metadata={"kvbook_init": str(INIT_VERSION)})
-    os.replace(partial, path)  # atomic: an interrupted write never leaves a half file under the real name
-    if progress:
-        print(f"kvbook: cached weights in {path}", file=sys.stderr, flush=True)
+    try:
+        save_file(tensors, str(partial), metadata={"kvbook_init": str(INIT_VERSION)})
+        os.replace(partial, path)  # atomic: an interrupted write never leaves a half file under the real name
+    except OSError as err:  # a full disk or a read-only cache costs the next run a redraw, nothing else
+        partial.unlink(missing_ok=True)
+        log.warning("kvbook: could not cache weights in %s (%s); the next run draws them again", path, err)
+        return
+    # Only the logger speaks from this thread: a print would land in whatever notebook cell runs next.
+    log.info("kvbook: cached weights in %s", path)
 
 
 def _save_in_background(tensors: dict[str, torch.Tensor], path: Path, progress: bool) -> None:
-    """The model is usable while its weights are written; the process waits for the write before it exits."""
-    thread = threading.Thread(target=_save_atomically, args=(tensors, path, progress), name=f"save {path.name}")
+    """The model is usable while its weights are written; the process waits for the write before it exits.
+    The caller's thread says so now, so the message belongs to the call (or notebook cell) that asked."""
+    if progress:
+        print(f"kvbook: caching the weights in {path} (written in the background)", file=sys.stderr, flush=True)
+    thread = threading.Thread(target=_save_atomically, args=(tensors, path), name=f"save {path.name}")
     thread.start()
     _pending_saves.append(thread)
 
