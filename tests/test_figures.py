@@ -1,0 +1,84 @@
+"""kvbook.figures: the pictures render for a small and for the full-size config, and their labels follow the
+configuration they are drawn from (change a size, the label changes)."""
+
+import dataclasses
+
+import matplotlib
+import matplotlib.pyplot as plt
+import pytest
+from kvbook import ModelConfig
+from kvbook.figures import (
+    block_table_diagram,
+    figure_texts,
+    kv_append_diagram,
+    layer_diagram,
+    timeline_diagram,
+)
+
+matplotlib.use("Agg")
+
+FULL = ModelConfig()
+SMALL = ModelConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=96,
+                    vocab_size=300, num_key_value_heads=2)
+
+
+def rendered_texts(fig):
+    fig.canvas.draw()  # a real render: any drawing error shows up here
+    texts = " | ".join(figure_texts(fig))
+    plt.close(fig)
+    return texts
+
+
+@pytest.mark.parametrize("cfg", [FULL, SMALL], ids=["full", "small"])
+def test_layer_diagram_labels_carry_the_config(cfg):
+    texts = rendered_texts(layer_diagram(cfg, tokens=7))
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    assert f"[1, 7, {hidden}]" in texts
+    assert f"[1, 7, {inter}]" in texts
+    assert f"Q [1, 7, {cfg.num_attention_heads}, {cfg.head_dim}]" in texts
+    assert f"K, V [1, {cfg.num_key_value_heads}, 7, {cfg.head_dim}]" in texts
+    assert f"down_proj ({inter} \u2192 {hidden})" in texts
+
+
+def test_layer_diagram_follows_a_changed_hidden_size():
+    wider = dataclasses.replace(FULL, hidden_size=5120, num_attention_heads=40, num_key_value_heads=8)
+    before, after = rendered_texts(layer_diagram(FULL, 256)), rendered_texts(layer_diagram(wider, 256))
+    assert "[1, 256, 4096]" in before and "[1, 256, 4096]" not in after
+    assert "[1, 256, 5120]" in after and "40 heads of 128" in after
+
+
+def test_timeline_marks_ttft_and_tpot_and_counts_steps():
+    schematic = rendered_texts(timeline_diagram(256, 5))
+    assert "TTFT" in schematic and "TPOT" in schematic
+    assert "256 positions" in schematic and "5 decode steps" in schematic
+    assert "schematic" in schematic
+    measured = timeline_diagram(64, 3, ttft_ms=900.0, tpot_ms=60.0)
+    assert measured.axes[0].get_xlim()[1] == pytest.approx((900 + 3 * 60) * 1.02)
+    assert "time (ms)" in rendered_texts(measured)
+
+
+@pytest.mark.parametrize("cfg", [FULL, SMALL], ids=["full", "small"])
+def test_kv_append_draws_every_layer_and_the_final_shape(cfg):
+    fig = kv_append_diagram(cfg, prompt_len=10, decode_steps=3)
+    rows = 2 * cfg.num_hidden_layers
+    rectangles = [p for p in fig.axes[0].patches if isinstance(p, matplotlib.patches.Rectangle)]
+    assert len(rectangles) == rows * (1 + 3)  # the prompt block and one column per step, per layer, K and V
+    texts = rendered_texts(fig)
+    assert f"layer {cfg.num_hidden_layers - 1} V" in texts
+    assert f"[1, {cfg.num_key_value_heads}, 13, {cfg.head_dim}]" in texts
+
+
+def test_block_table_points_each_logical_block_at_its_physical_block():
+    table, other = [4, 5, 9], [6, 7]
+    fig = block_table_diagram(table, cache_len=40, block_size=16, other_blocks=other)
+    arrows = [a for a in fig.axes[0].texts if isinstance(a, matplotlib.text.Annotation)]
+    assert len(arrows) == len(table)
+    # each arrow ends above the physical block the table names; the pool row shows blocks 4..9 in order
+    pool_row = sorted((t.get_position()[0], t.get_text()) for t in fig.axes[0].texts
+                      if not isinstance(t, matplotlib.text.Annotation) and t.get_position()[1] == 0.35
+                      and t.get_text().isdigit())
+    assert [label for _, label in pool_row] == [str(b) for b in range(4, 10)]
+    pool_x = {label: x for x, label in pool_row}
+    assert [arrow.xy[0] for arrow in arrows] == [pool_x[str(b)] for b in table]
+    texts = rendered_texts(fig)
+    assert "40 positions in 3 blocks of 16 (last one holds 8)" in texts
