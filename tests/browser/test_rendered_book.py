@@ -1,7 +1,9 @@
 """The rendered book in a real browser (Debian's chromium, driven by Playwright).
 
-Every chapter page must load with no JavaScript error, no broken image and no request leaving the machine, and every
-matplotlib ``to_jshtml`` animation must change frame when its slider moves.
+Every chapter page must load with no JavaScript error, no broken image and no request leaving the machine, every
+matplotlib ``to_jshtml`` animation must change frame when its slider moves, and chapter 5's decode-step scrubber
+(kvbook.book.static_scrubber) must show every layer's cache length, the attention row and the top-5 tokens of the
+step its slider is moved to.
 
 Needs the built book (``.venv/bin/jupyter-book build . -W``) and /usr/bin/chromium (``scripts/install_chromium.sh``).
 ``KVBOOK_HTML_DIR=/some/_build/html`` points the tests at another built book (default: ``_build/html`` at the
@@ -16,7 +18,10 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pandas as pd
 import pytest
+import torch
+from kvbook.book import DecodeRecording, static_scrubber
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 from playwright.sync_api import sync_playwright
 
@@ -28,6 +33,12 @@ PAGES = ["intro.html", *CHAPTER_PAGES]
 # to_jshtml writes its slider into the page as literal HTML, so the built files tell which pages have one.
 SLIDER_PAGES = [page for page in PAGES
                 if (HTML_DIR / page).is_file() and 'class="anim-slider"' in (HTML_DIR / page).read_text("utf-8")]
+
+# The article's scenario in chapter 5: a 256-token prompt, then decode steps 1..127, each adding one position to the
+# cache of each of the 3 layers.
+SCRUBBER_PAGE = "chapters/05_decode.html"
+SCRUBBER_CACHE_LENS = {1: 257, 64: 320, 127: 383}
+SCRUBBER_LAYERS = 3
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -162,3 +173,89 @@ def wait_until(page, predicate, arg=None, timeout_ms=5_000):
     except PlaywrightTimeoutError:
         return False
     return True
+
+
+def move_scrubber(page, scrubber, step):
+    """Sets the scrubber's slider to step as a user's drag would (an input event), and waits until it is drawn."""
+    scrubber.locator("input.kvs-step").evaluate(
+        "(el, value) => { el.value = value; el.dispatchEvent(new Event('input', {bubbles: true})); }", str(step))
+    return wait_until(page, "([el, step]) => el.textContent === step",
+                      [scrubber.locator(".kvs-step-value").element_handle(), str(step)])
+
+
+def scrubber_state(scrubber):
+    """What the reader sees: each layer's cache length, the attention bars and their text, the top-5 rows."""
+    bars = scrubber.locator("path.kvs-bars")
+    return {"cache_lens": scrubber.locator(".kv-cache-len").all_inner_texts(),
+            "positions": bars.get_attribute("data-positions"), "bars": bars.get_attribute("d"),
+            "attention_text": scrubber.locator(".kvs-attention-text").inner_text(),
+            "top": scrubber.locator(".kvs-top tbody tr").all_inner_texts()}
+
+
+if CHAPTER_PAGES:
+
+    def test_decode_scrubber_moves_to_steps_1_64_and_127(browser, base_url):
+        assert SCRUBBER_PAGE in CHAPTER_PAGES, f"no {SCRUBBER_PAGE} in the built book"
+        with opened(browser, base_url + SCRUBBER_PAGE) as (page, problems):
+            scrubber = page.locator(".kvbook-scrubber")
+            assert scrubber.count() == 1, f"{SCRUBBER_PAGE}: expected one decode-step scrubber"
+            slider = scrubber.locator("input.kvs-step")
+            assert (slider.get_attribute("min"), slider.get_attribute("max")) == ("1", "127"), \
+                "the scrubber must run over decode steps 1..127 (prefill is not a decode step)"
+            seen = {}
+            for step, cache_len in SCRUBBER_CACHE_LENS.items():
+                assert move_scrubber(page, scrubber, step), f"moving the slider to {step} is never drawn"
+                state = seen[step] = scrubber_state(scrubber)
+                assert state["cache_lens"] == [str(cache_len)] * SCRUBBER_LAYERS, f"step {step}: {state['cache_lens']}"
+                assert state["positions"] == str(cache_len), f"step {step}: attention over {state['positions']}"
+                assert f"all {cache_len} cached positions" in state["attention_text"]
+                assert len(state["top"]) == 5 and all(row.strip() for row in state["top"]), state["top"]
+            for key in ("bars", "attention_text", "top"):
+                assert len({str(state[key]) for state in seen.values()}) == len(seen), f"{key} is the same at two steps"
+            # another head: the bars and their text change, the cache lengths do not
+            select = scrubber.locator("select.kvs-head")
+            assert select.locator("option").count() >= 2, "the scrubber offers a single head"
+            select.select_option(index=select.locator("option").count() - 1)
+            other = scrubber_state(scrubber)
+            assert other["bars"] != seen[127]["bars"] and other["attention_text"] != seen[127]["attention_text"]
+            assert other["cache_lens"] == seen[127]["cache_lens"]
+        assert not problems, f"{SCRUBBER_PAGE}:\n" + "\n".join(problems)
+
+
+class HostileTokenizer:
+    """Token texts that would end the scrubber's script element, or inject markup, if written into the page raw."""
+
+    def token_text(self, token_id):
+        return f"</script><img src=x onerror=alert({token_id})><!--"
+
+
+def synthetic_recording(prompt_len=4, steps=3, layers=2, heads=2, vocab=50):
+    """A DecodeRecording made up in place of a run: enough for the page to draw, no model needed."""
+    generator = torch.Generator().manual_seed(0)
+    table = pd.DataFrame({"phase": ["prefill"] + ["decode"] * steps, "step": range(steps + 1),
+                          "token_id": range(10, 11 + steps), "ms": [100.0] + [50.0] * steps,
+                          "cache_len": range(prompt_len, prompt_len + steps + 1), "prompt_len": prompt_len})
+    attention = {(step, layer): torch.softmax(torch.randn(heads, 1, prompt_len + step, generator=generator), -1)
+                 for step in range(1, steps + 1) for layer in range(layers)}
+    logits = {step: torch.randn(vocab, generator=generator) for step in range(steps + 1)}
+    return DecodeRecording(table, attention, logits, prompt_len, layers, heads)
+
+
+def test_scrubber_shows_token_text_as_text_not_markup(browser):
+    """Token text is data: a token that reads like HTML shows as those characters and runs nothing."""
+    page = browser.new_page()
+    problems = []
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    page.on("dialog", lambda dialog: (problems.append(f"a token ran script: {dialog.message}"), dialog.dismiss()))
+    try:
+        page.set_content(static_scrubber(synthetic_recording(), HostileTokenizer()).data, wait_until="load")
+        scrubber = page.locator(".kvbook-scrubber")
+        assert move_scrubber(page, scrubber, 3)
+        state = scrubber_state(scrubber)
+        assert state["cache_lens"] == ["7", "7"] and state["positions"] == "7"
+        tokens = scrubber.locator(".kvs-top td.kvs-token").all_inner_texts()
+        assert len(tokens) == 5 and all(text.startswith("'</script><img src=x onerror=alert(") for text in tokens)
+        assert page.locator("img").count() == 0
+    finally:
+        page.close()
+    assert not problems, "\n".join(problems)
