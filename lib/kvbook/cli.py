@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default: the port of [server] api_base, 8000)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="info (default) logs every decode step's cache lengths; warning keeps quiet")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM or Ctrl-C, let running requests finish this long, then end them with an "
+                            "error (default: %(default)s)")
 
     bench = commands.add_parser("bench", help="measure TTFT, TPOT, model-ready time, memory and the decode floor")
     _common(bench)
@@ -128,11 +131,11 @@ def cmd_serve(config: Config, args) -> None:
     import logging
     from urllib.parse import urlparse
 
-    import uvicorn
-
     from .engine import Engine
-    from .server import create_app
+    from .server import GracefulServer, create_app
 
+    if args.shutdown_grace < 0:
+        raise ConfigError(f"--shutdown-grace {args.shutdown_grace:g}: must be >= 0 seconds")
     base = urlparse(config.server.api_base)
     host = args.host or base.hostname or "127.0.0.1"
     port = args.port if args.port is not None else (base.port or 8000)
@@ -143,7 +146,7 @@ def cmd_serve(config: Config, args) -> None:
           f"{config.server.model_endpoint} (API key {key_state}: {config.server.api_key_env}; up to "
           f"{config.server.max_num_seqs} requests decoded together; prefix caching "
           f"{'on' if config.kv_cache.prefix_caching else 'off'})", file=sys.stderr)
-    uvicorn.run(create_app(engine), host=host, port=port, log_level=args.log_level)
+    GracefulServer(create_app(engine), host, port, args.shutdown_grace, args.log_level).run()
 
 
 def cmd_bench(config: Config, args) -> None:

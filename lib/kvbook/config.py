@@ -16,6 +16,13 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# a quantized KV cache ([kv_cache] cache_dtype, kvbook.quant): 1 byte per element plus one float16 scale per
+# position and head (head_dim elements share it)
+QUANTIZED_CACHE_DTYPES = {"int8": 1, "float8_e4m3fn": 1}
+CACHE_SCALE_BYTES = 2
+# [inference] weight_dtype: "auto" keeps the weights in [inference] dtype (float16: the article's); "int8" stores the
+# matrices as int8 with one scale per output channel (weight-only, kvbook.quant)
+WEIGHT_DTYPES = ["auto", "int8", *DTYPE_BYTES]
 # keys that would hold a secret: refused, keys come only from the environment variable named by api_key_env
 SECRET_KEY_NAMES = re.compile(r"(^|_)(api_?key|key|token|secret|password)$", re.IGNORECASE)
 
@@ -106,11 +113,16 @@ class InferenceConfig:
     prefill_dtype: str = "auto"
     # on a GPU, single-sequence decode steps replay captured CUDA graphs (kvbook.cuda_graph); ignored on the CPU
     cuda_graphs: bool = True
+    weight_dtype: str = "auto"  # "int8": weight-only int8 matrices, per-output-channel scales (kvbook.quant)
 
     def __post_init__(self) -> None:
         _positive("inference", self, "batch_size", "input_len", "output_len")
         _one_of("inference", "dtype", self.dtype, DTYPE_BYTES)
         _one_of("inference", "prefill_dtype", self.prefill_dtype, ["auto", *DTYPE_BYTES])
+        _one_of("inference", "weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        if self.weight_dtype in DTYPE_BYTES and self.weight_dtype != self.dtype:
+            raise ConfigError(f"[inference] weight_dtype = {self.weight_dtype!r}: floating weights are stored in "
+                              f"[inference] dtype = {self.dtype!r}; set weight_dtype = \"auto\" (or \"int8\")")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"[inference] device = {self.device!r}: use \"cpu\", \"cuda\" or \"cuda:N\"")
 
@@ -127,7 +139,7 @@ class KVCacheConfig:
 
     def __post_init__(self) -> None:
         _positive("kv_cache", self, "max_cache_len", "block_size")
-        _one_of("kv_cache", "cache_dtype", self.cache_dtype, DTYPE_BYTES)
+        _one_of("kv_cache", "cache_dtype", self.cache_dtype, [*DTYPE_BYTES, *QUANTIZED_CACHE_DTYPES])
         _one_of("kv_cache", "layout", self.layout, ["contiguous", "paged"])
         if self.pool_mib < 0:
             raise ConfigError(f"[kv_cache] pool_mib = {self.pool_mib}: must be >= 0 (0 = max_cache_len's worth)")
@@ -146,9 +158,11 @@ class ServerConfig:
     # prompt positions per prefill pass, with decode steps of the running requests between passes (vLLM's chunked
     # prefill); 0 = a whole prompt in one pass
     prefill_chunk: int = 0
+    # requests queued behind the running ones; past it a request is answered 503 with Retry-After at once
+    max_waiting: int = 64
 
     def __post_init__(self) -> None:
-        _positive("server", self, "max_num_seqs")
+        _positive("server", self, "max_num_seqs", "max_waiting")
         if self.prefill_chunk < 0:
             raise ConfigError(f"[server] prefill_chunk = {self.prefill_chunk}: must be >= 0 (0 = whole prompts)")
         if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", self.api_base):
@@ -190,7 +204,7 @@ class Config:
                 f"[kv_cache] max_cache_len = {kv.max_cache_len} is too small for input_len {inf.input_len} + "
                 f"output_len {inf.output_len}: decode would stop at position {kv.max_cache_len}; set "
                 f"max_cache_len >= {needed}")
-        if kv.enable and kv.cache_dtype != inf.dtype:
+        if kv.enable and kv.cache_dtype != inf.dtype and kv.cache_dtype in DTYPE_BYTES:
             ratio = DTYPE_BYTES[kv.cache_dtype] / DTYPE_BYTES[inf.dtype]
             mib = kv_cache_bytes(model, kv.max_cache_len, kv.cache_dtype) / 2**20
             same_mib = kv_cache_bytes(model, kv.max_cache_len, inf.dtype) / 2**20
@@ -208,9 +222,14 @@ class Config:
 
 
 def kv_cache_bytes(model: ModelConfig, positions: int, dtype: str, batch_size: int = 1) -> int:
-    """K and V for every layer: 2 x layers x kv_heads x head_dim x positions x bytes per element."""
-    return (2 * model.num_hidden_layers * batch_size * model.num_key_value_heads * model.head_dim * positions
-            * DTYPE_BYTES[dtype])
+    """K and V for every layer: 2 x layers x kv_heads x head_dim x positions x bytes per element; a quantized
+    cache (int8, float8_e4m3fn) adds one float16 scale per position and head: 2 x layers x kv_heads x positions
+    x (head_dim x 1 + 2)."""
+    if dtype in QUANTIZED_CACHE_DTYPES:
+        per_head = model.head_dim * QUANTIZED_CACHE_DTYPES[dtype] + CACHE_SCALE_BYTES
+    else:
+        per_head = model.head_dim * DTYPE_BYTES[dtype]
+    return 2 * model.num_hidden_layers * batch_size * model.num_key_value_heads * positions * per_head
 
 
 SECTIONS = {"model": ModelConfig, "inference": InferenceConfig, "kv_cache": KVCacheConfig, "server": ServerConfig}

@@ -1,16 +1,24 @@
 """An OpenAI-compatible chat completions server for the engine (FastAPI + uvicorn).
 
     python -m kvbook serve [--config config.toml] [--set ...] [--host 127.0.0.1] [--port 8000]
+                           [--shutdown-grace SECONDS]
 
 Routes, under the path of [server].api_base ("/api" for "http://127.0.0.1:8000/api"):
   POST {path}{model_endpoint}   chat completions, streaming (SSE) or not
   GET  {path}/v1/models         the one model, named by [model].name
   GET  /health                  liveness, never needs a key
+  GET  /metrics                 Prometheus metrics (kvbook.metrics), never needs a key
+  GET  /openapi.json            the schema of every route, request and answer (kvbook.protocol)
 
+Bodies are the pydantic models of kvbook.protocol; a bad body is answered 400 in OpenAI's error format.
 Requests are batched continuously (kvbook.scheduler, in a thread of its own): a request joins the running batch
-after its prefill and leaves it when it finishes; up to [server].max_num_seqs decode together, the rest wait in
-arrival order at no cost. With [kv_cache] prefix_caching, a prompt that starts like an earlier one (a shared
-system prompt) reuses its blocks, and usage.prompt_tokens_details.cached_tokens says how many positions.
+after its prefill and leaves it when it finishes; up to [server].max_num_seqs decode together, up to
+[server].max_waiting wait in arrival order, and past that a request is answered 503 at once with a Retry-After
+header. A request that could never fit (the positions, max_cache_len or the whole block pool) is refused with
+400 before it queues. On SIGTERM or Ctrl-C the server stops accepting, lets running requests finish within a
+grace period and ends the rest with an error (GracefulServer).
+With [kv_cache] prefix_caching, a prompt that starts like an earlier one (a shared system prompt) reuses its
+blocks, and usage.prompt_tokens_details.cached_tokens says how many positions.
 When the environment variable named by [server].api_key_env is set, every request but /health needs
 "Authorization: Bearer <key>".
 
@@ -35,115 +43,54 @@ import uuid
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import Config
+from .config import Config, kv_cache_bytes
 from .engine import Engine
 from .kv_cache import CacheFullError
+from .metrics import ServerMetrics
+from .protocol import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    Usage,
+    explain_validation_error,
+)
 from .scheduler import Scheduler, Sequence
-from .tokenizer import EOS_IDS, ROLES, Tokenizer, get_default_tokenizer
+from .tokenizer import EOS_IDS, Tokenizer, get_default_tokenizer
 
 log = logging.getLogger("kvbook.server")
 
 
 class RequestError(Exception):
-    """A bad request: becomes OpenAI's error JSON with this status."""
+    """A refused request: becomes OpenAI's error JSON with this status (and these headers)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, kind: str = "invalid_request_error"):
+                 code: str | None = None, kind: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+        self.headers = headers
+
+
+class ShutdownError(RuntimeError):
+    """The server is stopping and this request did not finish within the grace period."""
 
 
 def error_response(err: RequestError) -> JSONResponse:
-    return JSONResponse({"error": {"message": err.message, "type": err.kind, "param": err.param,
-                                   "code": err.code}}, status_code=err.status)
-
-
-@dataclass
-class ChatRequest:
-    messages: list[dict]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    ignore_eos: bool = False
-
-
-def _text_content(content, index: int) -> str:
-    """String content, or OpenAI's list-of-parts form with text parts only."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(f"messages[{index}].content: only text parts are supported, got {kind!r}",
-                                   f"messages[{index}].content")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise RequestError(f"messages[{index}].content must be a string or a list of text parts",
-                       f"messages[{index}].content")
-
-
-def _number(body: dict, key: str, kind, default, low=None, high=None, low_open=False):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise RequestError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}", key)
-    if low is not None and (value <= low if low_open else value < low):
-        raise RequestError(f"{key} = {value!r} is too small: must be {'>' if low_open else '>='} {low}", key)
-    if high is not None and value > high:
-        raise RequestError(f"{key} = {value!r} is too large: must be <= {high}", key)
-    return value
-
-
-def parse_chat_request(body, model_name: str, default_max_tokens: int) -> ChatRequest:
-    """Validate an OpenAI chat completions body; every problem is a RequestError naming the field."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    if body.get("model") != model_name:
-        raise RequestError(f"The model {body.get('model')!r} does not exist; this server serves {model_name!r}",
-                           "model", status=404, code="model_not_found")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RequestError(f"messages[{i}] must be an object with role and content", f"messages[{i}]")
-        if message.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}].role = {message.get('role')!r}: use one of {', '.join(ROLES)}",
-                               f"messages[{i}].role")
-        parsed.append({"role": message["role"], "content": _text_content(message.get("content"), i)})
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError("stop must be a non-empty string or a list of up to 4 of them", "stop")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise RequestError("stream_options must be an object", "stream_options")
-    for flag in ("stream", "ignore_eos"):
-        if not isinstance(body.get(flag, False), bool):
-            raise RequestError(f"{flag} must be true or false", flag)
-    return ChatRequest(
-        messages=parsed,
-        max_tokens=_number(body, "max_tokens", int, default_max_tokens, low=1),
-        temperature=float(_number(body, "temperature", (int, float), 1.0, low=0, high=2)),
-        top_p=float(_number(body, "top_p", (int, float), 1.0, low=0, high=1, low_open=True)),
-        seed=_number(body, "seed", int, None),
-        stop=stop,
-        stream=body.get("stream", False),
-        include_usage=bool(options.get("include_usage", False)),
-        ignore_eos=body.get("ignore_eos", False),
-    )
+    body = ErrorResponse(error={"message": err.message, "type": err.kind, "param": err.param, "code": err.code})
+    return JSONResponse(body.model_dump(), status_code=err.status, headers=err.headers)
 
 
 class TextStream:
@@ -185,38 +132,78 @@ class TextStream:
 @dataclass(eq=False)
 class Ticket:
     """A request handed to the scheduler thread: its Steps come back on `steps` (None after the last one, an
-    exception if its forward pass failed)."""
+    exception if its forward pass failed or the server shut down first)."""
 
     input_ids: list[int]
-    chat: ChatRequest
+    sampling: Sampling
     deliver: object  # puts an item on the request's asyncio queue, from the scheduler thread
     steps: asyncio.Queue
     sequence: Sequence | None = None
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """A request's generation options, defaults filled in."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest, default_max_tokens: int) -> Sampling:
+        return cls(body.max_tokens or default_max_tokens,
+                   1.0 if body.temperature is None else body.temperature,
+                   1.0 if body.top_p is None else body.top_p, body.seed, bool(body.ignore_eos),
+                   tuple(body.stop_strings))
+
+
 class SchedulerThread:
     """Runs the scheduler's forward passes in a thread, so the event loop keeps serving while the model computes.
-    The event loop only puts tickets and aborts in the inbox; the thread alone touches the scheduler."""
+    The event loop only puts tickets, aborts and a shutdown in the inbox; the thread alone touches the scheduler."""
 
     def __init__(self, engine: Engine, record_timeline: bool = False):
         server = engine.config.server
         self.scheduler = Scheduler(engine, server.max_num_seqs, record_timeline, server.prefill_chunk)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.tickets: dict[Sequence, Ticket] = {}
+        self._unread = 0  # tickets in the inbox, not yet in the scheduler's queue
+        self._unread_lock = threading.Lock()
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name="kvbook-scheduler", daemon=True)
         self.thread.start()
 
-    def submit(self, input_ids: list[int], chat: ChatRequest) -> Ticket:
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet running (read from the event loop: a snapshot, never too low)."""
+        return self._unread + len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._unread or self.tickets)
+
+    def submit(self, input_ids: list[int], sampling: Sampling) -> Ticket:
         loop = asyncio.get_running_loop()
         steps: asyncio.Queue = asyncio.Queue()
-        ticket = Ticket(input_ids, chat, lambda item: loop.call_soon_threadsafe(steps.put_nowait, item), steps)
+        ticket = Ticket(input_ids, sampling, lambda item: loop.call_soon_threadsafe(steps.put_nowait, item), steps)
+        with self._unread_lock:
+            self._unread += 1
         self.inbox.put(("add", ticket))
         return ticket
 
     def abort(self, ticket: Ticket) -> None:
         """The client went away or stopped listening: the sequence leaves at the next step (no-op once done)."""
         self.inbox.put(("abort", ticket))
+
+    def end_all(self, error: Exception) -> None:
+        """Fail every request in flight with `error` (a shutdown past its grace period)."""
+        self.inbox.put(("end_all", error))
 
     def close(self) -> None:
         self.closed = True
@@ -229,9 +216,7 @@ class SchedulerThread:
                 stepped = self.scheduler.step()
             except Exception as err:  # noqa: BLE001 - a bug outside the forward pass: fail the requests, never hang
                 log.exception("scheduler step failed; failing every request in flight")
-                for seq, ticket in self.tickets.items():
-                    ticket.deliver(err)
-                    self.scheduler.abort(seq)
+                self._fail_all(err)
                 continue
             for seq in stepped:
                 ticket = self.tickets[seq]
@@ -239,118 +224,191 @@ class SchedulerThread:
             for seq in [seq for seq in self.tickets if seq.finished]:
                 self.tickets.pop(seq).deliver(None)
 
+    def _fail_all(self, err: Exception) -> None:
+        for seq, ticket in self.tickets.items():
+            ticket.deliver(err)
+            self.scheduler.abort(seq)
+
     def _read_inbox(self, wait: bool) -> None:
         try:
             item = self.inbox.get(timeout=0.1) if wait else self.inbox.get_nowait()
             while True:
-                kind, ticket = item
-                if kind == "abort" and ticket.sequence is not None:
-                    self.scheduler.abort(ticket.sequence)
+                kind, payload = item
+                if kind == "abort" and payload.sequence is not None:
+                    self.scheduler.abort(payload.sequence)
                 elif kind == "add":
-                    self._add(ticket)
+                    self._add(payload)
+                elif kind == "end_all":
+                    self._fail_all(payload)
                 item = self.inbox.get_nowait()
         except queue.Empty:
             pass
 
     def _add(self, ticket: Ticket) -> None:
-        chat = ticket.chat
+        s = ticket.sampling
         try:
-            ticket.sequence = self.scheduler.add(ticket.input_ids, chat.max_tokens, temperature=chat.temperature,
-                                                 top_p=chat.top_p, seed=chat.seed, ignore_eos=chat.ignore_eos)
+            ticket.sequence = self.scheduler.add(ticket.input_ids, s.max_tokens, temperature=s.temperature,
+                                                 top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos)
         except Exception as err:  # noqa: BLE001 - checked before submission; reported, never lost
             ticket.deliver(err)
             ticket.deliver(None)
             return
+        finally:
+            with self._unread_lock:
+                self._unread -= 1
         self.tickets[ticket.sequence] = ticket
 
 
+def positions_per_sequence(engine: Engine) -> int:
+    """The most positions one sequence can hold: the model's positions, and the cache's room for one sequence
+    (max_cache_len with the contiguous layout, the whole block pool with the paged one)."""
+    kv = engine.config.kv_cache
+    room = engine.config.model.max_position_embeddings
+    if kv.enable and kv.layout == "paged":
+        room = min(room, engine.pool.num_blocks * engine.pool.block_size)
+    elif kv.enable:
+        room = min(room, kv.max_cache_len)
+    return room
+
+
+def _metrics_for(engine: Engine, runner: SchedulerThread) -> ServerMetrics:
+    config = engine.config
+    scheduler = runner.scheduler
+    per_sequence = kv_cache_bytes(config.model, config.kv_cache.max_cache_len, config.kv_cache.cache_dtype)
+    pool = engine.pool
+
+    if pool is not None:
+        block_bytes = kv_cache_bytes(config.model, pool.block_size, config.kv_cache.cache_dtype)
+        usage = lambda: pool.used_blocks / pool.num_blocks  # noqa: E731
+        held = lambda: pool.used_blocks * block_bytes  # noqa: E731
+    else:
+        usage = lambda: len(scheduler.running) / scheduler.max_num_seqs  # noqa: E731
+        held = lambda: len(scheduler.running) * per_sequence  # noqa: E731
+    return ServerMetrics(lambda: runner.num_running, lambda: runner.num_waiting, usage, held, config.model.name)
+
+
 def create_app(engine: Engine, tokenizer: Tokenizer | None = None, record_timeline: bool = False) -> FastAPI:
-    """record_timeline: keep every forward pass in app.state.scheduler.scheduler.timeline (chapter 11, tests)."""
+    """record_timeline: keep every forward pass in app.state.scheduler.scheduler.timeline (chapter 11, tests).
+
+    app.state: scheduler (the SchedulerThread), metrics (ServerMetrics), draining (set on shutdown: new requests
+    are refused with 503)."""
     config: Config = engine.config
     tokenizer = tokenizer or get_default_tokenizer()
     prefix = urlparse(config.server.api_base).path.rstrip("/")
     model_name = config.model.name
-    app = FastAPI(title="kvbook", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvbook", version=_version(), docs_url=None, redoc_url=None,
+                  description="An OpenAI-compatible chat completions server for the kvbook engine.")
     runner = app.state.scheduler = SchedulerThread(engine, record_timeline)
+    metrics = app.state.metrics = _metrics_for(engine, runner)
+    app.state.draining = False
+    room = positions_per_sequence(engine)
+    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 500, 503)}
 
-    def authorized(request: Request) -> bool:
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, err: RequestError):
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError):
+        message, param = explain_validation_error(err.errors()[0], request.headers.get("content-type", ""))
+        metrics.rejected("invalid")
+        return error_response(RequestError(message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return error_response(RequestError(f"{request.method} {request.url.path}: {err.detail}",
+                                           status=err.status_code, kind=kind, headers=err.headers))
+
+    def require_key(request: Request) -> None:
         key = os.environ.get(config.server.api_key_env)
         if not key:
-            return True
+            return
         sent = request.headers.get("authorization", "")
-        return hmac.compare_digest(sent.encode(), f"Bearer {key}".encode())
+        if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+            raise RequestError(
+                f"Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key from the "
+                f"environment variable {config.server.api_key_env}", status=401, code="invalid_api_key")
 
-    def unauthorized() -> JSONResponse:
-        return error_response(RequestError(
-            f"Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key from the "
-            f"environment variable {config.server.api_key_env}", status=401, code="invalid_api_key"))
+    authorized = [Depends(require_key)]
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "device": str(engine.device),
-                "running": len(runner.scheduler.running), "waiting": len(runner.scheduler.waiting)}
+        return {"status": "draining" if app.state.draining else "ok", "model": model_name,
+                "device": str(engine.device), "running": runner.num_running, "waiting": runner.num_waiting}
 
-    @app.get(prefix + "/v1/models")
-    async def models(request: Request):
-        if not authorized(request):
-            return unauthorized()
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvbook"}]}
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post(prefix + config.server.model_endpoint)
-    async def chat_completions(request: Request):
-        if not authorized(request):
-            return unauthorized()
+    @app.get(prefix + "/v1/models", dependencies=authorized, response_model=ModelList, responses={401: errors[401]})
+    async def models():
+        return ModelList(data=[ModelCard(id=model_name)])
+
+    @app.post(prefix + config.server.model_endpoint, dependencies=authorized, response_model=ChatCompletion,
+              responses={**errors, 200: {"content": {"text/event-stream": {}},
+                                         "description": "a ChatCompletion, or with stream = true Server-Sent "
+                                                        "Events of ChatCompletionChunk ending with [DONE]"}})
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        if body.model != model_name:
+            raise RequestError(f"The model {body.model!r} does not exist; this server serves {model_name!r}",
+                               "model", status=404, code="model_not_found")
+        sampling = Sampling.of(body, config.inference.output_len)
+        input_ids = tokenizer.apply_chat_template([{"role": m.role, "content": m.text} for m in body.messages])
+        if len(input_ids) >= room:
+            raise RequestError(f"the prompt has {len(input_ids)} tokens; this server holds at most {room} "
+                               "positions per sequence (prompt + max_tokens - 1); shorten the messages", "messages")
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return error_response(RequestError(f"the request body is not valid JSON: {err}"))
-        try:
-            chat = parse_chat_request(body, model_name, config.inference.output_len)
-            input_ids = tokenizer.apply_chat_template(chat.messages)
-            room = min(config.model.max_position_embeddings,
-                       config.kv_cache.max_cache_len if config.kv_cache.enable else 1 << 62)
-            if len(input_ids) >= room:
-                raise RequestError(f"the prompt has {len(input_ids)} tokens; this server holds at most {room} "
-                                   "positions per sequence (prompt + max_tokens - 1); shorten the messages",
-                                   "messages")
-            engine.check_request(len(input_ids), chat.max_tokens)
-        except RequestError as err:
-            return error_response(err)
+            engine.check_request(len(input_ids), sampling.max_tokens)
         except (ValueError, CacheFullError) as err:  # max_tokens does not fit after this prompt
-            return error_response(RequestError(str(err), "max_tokens"))
-        run = Run(f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model_name, chat, input_ids)
-        if chat.stream:
+            raise RequestError(str(err), "max_tokens") from None
+        if app.state.draining:
+            metrics.rejected("shutting_down")
+            raise RequestError("the server is shutting down; send the request to another instance", status=503,
+                               kind="server_error", code="shutting_down")
+        if runner.num_waiting >= config.server.max_waiting:
+            metrics.rejected("queue_full")
+            raise RequestError(
+                f"the server is overloaded: {runner.num_waiting} requests are already waiting ([server] max_waiting "
+                f"= {config.server.max_waiting}); retry later", status=503, kind="server_error", code="overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)})
+        run = Run(f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model_name, sampling,
+                  body.include_usage, input_ids, metrics, engine.prefix_caching)
+        if body.stream:
             return StreamingResponse(stream_chunks(run, request), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
             async for _ in generate(run, request):
                 pass
+        except ShutdownError as err:
+            return error_response(RequestError(str(err), status=503, kind="server_error", code="shutting_down"))
         except Exception as err:  # noqa: BLE001 - the forward pass failed: say so, the server keeps serving
             return error_response(RequestError(f"generation failed: {err}", status=500, kind="server_error"))
         if run.disconnected:
             return JSONResponse({}, status_code=499)
-        return {"id": run.id, "object": "chat.completion", "created": run.created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": run.text},
-                             "finish_reason": run.finish_reason}],
-                "usage": run.usage()}
+        return ChatCompletion(id=run.id, created=run.created, model=model_name,
+                              choices=[Choice(message=AssistantMessage(content=run.text),
+                                              finish_reason=run.finish_reason)],
+                              usage=run.usage())
 
     async def generate(run: Run, request: Request):
         """Yield each new piece of text as the scheduler thread delivers the request's tokens. Stops early (and
         frees the sequence's cache) when the client goes away or a stop string appears."""
-        chat = run.chat
-        ticket = runner.submit(run.input_ids, chat)
-        text = TextStream(tokenizer, chat.stop)
+        sampling = run.sampling
+        ticket = runner.submit(run.input_ids, sampling)
+        text = TextStream(tokenizer, list(sampling.stop))
         try:
             while True:
                 step = await ticket.steps.get()
                 if step is None:
                     break
                 if isinstance(step, Exception):
+                    run.finish_reason = "error"
                     raise step
                 run.record(step, ticket.sequence)
                 piece = text.add(step.token_id)
-                if step.token_id in EOS_IDS and not chat.ignore_eos:
+                if step.token_id in EOS_IDS and not sampling.ignore_eos:
                     run.finish_reason = "stop"
                 if text.stopped:
                     run.finish_reason = "stop"
@@ -366,39 +424,55 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None, record_timeli
             if tail and not run.disconnected:
                 run.text += tail
                 yield tail
-        except asyncio.CancelledError:  # the server noticed the disconnect first and cancelled this response
+        except (asyncio.CancelledError, GeneratorExit):  # the server noticed the disconnect and cancelled this
             run.went_away()
             raise
         finally:
             runner.abort(ticket)  # frees the sequence's cache if it is still running
-            run.log_summary()
+            run.done()
 
     async def stream_chunks(run: Run, request: Request):
-        def chunk(delta: dict, finish_reason=None, usage=None) -> str:
-            data = {"id": run.id, "object": "chat.completion.chunk", "created": run.created, "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
-            if usage is not None:
-                data["choices"], data["usage"] = [], usage
-            elif run.chat.include_usage:
+        def chunk(delta: Delta, finish_reason=None, usage: Usage | None = None) -> str:
+            data = ChatCompletionChunk(id=run.id, created=run.created, model=model_name,
+                                       choices=[] if usage is not None else
+                                       [ChunkChoice(delta=delta, finish_reason=finish_reason)],
+                                       usage=usage).model_dump(exclude_none=True)
+            if run.include_usage and usage is None:
                 data["usage"] = None
+            for choice in data["choices"]:
+                choice.setdefault("finish_reason", None)
             return f"data: {json.dumps(data)}\n\n"
 
-        yield chunk({"role": "assistant", "content": ""})
+        yield chunk(Delta(role="assistant", content=""))
         try:
             async for piece in generate(run, request):
-                yield chunk({"content": piece})
+                yield chunk(Delta(content=piece))
         except Exception as err:  # noqa: BLE001 - headers are sent: the error goes in the stream, as OpenAI does
-            error = {"message": f"generation failed: {err}", "type": "server_error"}
+            message = str(err) if isinstance(err, ShutdownError) else f"generation failed: {err}"
+            error = {"message": message, "type": "server_error", "param": None,
+                     "code": "shutting_down" if isinstance(err, ShutdownError) else None}
             yield f"data: {json.dumps({'error': error})}\n\n"
             return
         if run.disconnected:
             return
-        yield chunk({}, run.finish_reason)
-        if run.chat.include_usage:
-            yield chunk({}, usage=run.usage())
+        yield chunk(Delta(), run.finish_reason)
+        if run.include_usage:
+            yield chunk(Delta(), usage=run.usage())
         yield "data: [DONE]\n\n"
 
     return app
+
+
+RETRY_AFTER_S = 1  # a full queue drains by one request per finished request: ask clients to come back soon
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvbook")
+    except Exception:  # noqa: BLE001 - not installed as a package: the schema still needs a version
+        return "0"
 
 
 @dataclass
@@ -408,8 +482,11 @@ class Run:
     id: str
     created: int
     model: str
-    chat: ChatRequest
+    sampling: Sampling
+    include_usage: bool
     input_ids: list[int]
+    metrics: ServerMetrics
+    prefix_caching: bool = False
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"
@@ -420,35 +497,86 @@ class Run:
     cached_tokens: int = 0
 
     def record(self, step, sequence: Sequence) -> None:
+        now = time.perf_counter()
+        if self.token_times:
+            self.metrics.next_token(now - self.token_times[-1])
         self.output_ids.append(step.token_id)
-        self.token_times.append(time.perf_counter())
+        self.token_times.append(now)
         self.step_ms.append(step.ms)
         if step.phase == "decode":
             log.info("%s step %d cache_len per layer %s %.1f ms", self.id, step.index, list(step.cache_lens),
                      step.ms)
         else:
             self.cached_tokens = sequence.cached_positions
+            self.metrics.first_token(len(self.input_ids), self.cached_tokens, now - self.arrived,
+                                     self.prefix_caching)
             log.info("%s prefill %d tokens (%d from the prefix cache) cache_len %d %.1f ms", self.id,
                      len(self.input_ids), self.cached_tokens, step.cache_len, step.ms)
 
     def went_away(self) -> None:
-        self.disconnected = True
-        log.info("%s client disconnected after %d tokens; generation stopped", self.id, len(self.output_ids))
+        if not self.disconnected:
+            self.disconnected = True
+            log.info("%s client disconnected after %d tokens; generation stopped", self.id, len(self.output_ids))
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": len(self.input_ids), "completion_tokens": len(self.output_ids),
-                "total_tokens": len(self.input_ids) + len(self.output_ids),
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.input_ids), completion_tokens=len(self.output_ids),
+                     total_tokens=len(self.input_ids) + len(self.output_ids),
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
 
-    def log_summary(self) -> None:
+    def done(self) -> None:
+        """The summary log line and the request's metrics."""
         times = self.token_times
         ttft = (times[0] - self.arrived) * 1e3 if times else 0.0
-        tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
+        tpot = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else None
         prefill = self.step_ms[0] if self.step_ms else 0.0
         decode = sum(self.step_ms[1:]) / (len(self.step_ms) - 1) if len(self.step_ms) > 1 else 0.0
+        reason = "abort" if self.disconnected else self.finish_reason
+        self.metrics.finished(reason, (times[-1] if times else time.perf_counter()) - self.arrived,
+                              tpot / 1e3 if tpot is not None else None)
         log.info("%s done prompt_tokens %d completion_tokens %d finish_reason %s TTFT %.1f ms TPOT %.1f ms "
                  "(engine: prefill %.1f ms, decode step %.1f ms)", self.id, len(self.input_ids),
-                 len(self.output_ids), self.finish_reason, ttft, tpot, prefill, decode)
+                 len(self.output_ids), reason, ttft, tpot or 0.0, prefill, decode)
+
+
+class GracefulServer:
+    """uvicorn for `python -m kvbook serve`, with a clean shutdown. On SIGTERM or Ctrl-C: stop accepting
+    connections, answer new requests on open connections with 503, let running requests finish for up to
+    `grace_s` seconds, then end the rest with an error (an error event in a stream, a 503 otherwise), and return
+    normally (exit code 0). A second Ctrl-C quits at once."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float, log_level: str = "info"):
+        import uvicorn
+
+        runner: SchedulerThread = app.state.scheduler
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                app.state.draining = True
+                super().handle_exit(sig, frame)
+                self._captured_signals.clear()  # handled here: uvicorn would raise it again after shutdown
+
+            async def shutdown(self, sockets=None) -> None:
+                for server in self.servers:
+                    server.close()  # stop accepting before waiting for the running requests
+                deadline = time.monotonic() + grace_s
+                while runner.busy and time.monotonic() < deadline and not self.force_exit:
+                    await asyncio.sleep(0.05)
+                if runner.busy:
+                    log.warning("shutdown: ending the requests still running after the %g s grace period", grace_s)
+                    runner.end_all(ShutdownError(
+                        f"the server shut down before this request finished (grace period {grace_s:g} s)"))
+                await super().shutdown(sockets)
+
+        self.app = app
+        # after end_all the handlers finish within a step; the timeout only guards against a stuck connection
+        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                                            timeout_graceful_shutdown=10))
+
+    def run(self) -> None:
+        try:
+            self.server.run()
+        finally:
+            self.app.state.scheduler.close()
 
 
 class BackgroundServer:
