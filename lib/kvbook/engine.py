@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from . import cuda_graph
+from . import cuda_graph, quant
 from .config import Config
 from .device import TORCH_DTYPES, resolve_device, resolve_prefill_dtype, synchronize
 from .kv_cache import CacheFullError, KVCache
-from .linear import split_long_inputs
+from .linear import Linear, split_long_inputs
 from .model import Qwen3ForCausalLM
 from .paged_cache import BlockPool, PagedKVCache
 from .sampling import sample_next
@@ -106,7 +106,10 @@ class Engine:
         elif separate_prefill and not has_prefill_weights(model, self.prefill_dtype):  # a model of another Engine
             attach_prefill_weights(model, prefill_copies(config.model, dict(model.named_parameters()),
                                                          self.prefill_dtype))
-        if self.device.type == "cpu" and self.dtype == torch.float16:
+        quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
+        if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.quant)
+            quant.quantize_model(model, quant.activation_dtype(self.device, self.dtype), self.device)
+        elif self.device.type == "cpu" and self.dtype == torch.float16:
             split_long_inputs(model)
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
@@ -156,8 +159,9 @@ class Engine:
 
     def prepare_batched_decode(self) -> None:
         """Give lm_head a batch_dtype copy too (the layers have theirs for prefill)."""
-        if self.batch_dtype != self.dtype and self.model.lm_head.prefill_weight is None:
-            self.model.lm_head.prefill_weight = self.model.lm_head.weight.to(self.batch_dtype)
+        lm_head = self.model.lm_head  # an int8 one reads its int8 weights for a few rows (kvbook.quant)
+        if self.batch_dtype != self.dtype and lm_head.prefill_weight is None and isinstance(lm_head, Linear):
+            lm_head.prefill_weight = lm_head.weight.to(self.batch_dtype)
 
     def sampling_generator(self, temperature: float, top_p: float, seed: int | None) -> torch.Generator | None:
         """Check the sampling options -> the sequence's own seeded generator (None for greedy decoding)."""

@@ -2,12 +2,16 @@
 
 New positions are written after the history (the source article's pitfall 3), and attention reads views of
 the filled part, so decode never copies the history. Explained in chapters 4 ("Prefill") and 5 ("Decode").
+
+A quantized cache ([kv_cache] cache_dtype = "int8" or "float8_e4m3fn", kvbook.quant) stores each position's K and V
+per head in one byte per number with one float16 scale, and attention reads them dequantized to float32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import quant
 from .config import KVCacheConfig, ModelConfig
 from .device import TORCH_DTYPES
 
@@ -16,11 +20,24 @@ class CacheFullError(RuntimeError):
     """Writing past max_cache_len. Raised before anything is written, so the cache stays usable."""
 
 
+def storage_dtype(cache_dtype: str) -> torch.dtype:
+    """The dtype K and V are stored in: int8 or float8 for a quantized cache, else the floating cache_dtype."""
+    return quant.KV_STORAGE.get(cache_dtype) or TORCH_DTYPES[cache_dtype]
+
+
 class LayerKVCache:
     def __init__(self, layer: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, cache_dtype: str | None = None):
         self.layer = layer
         self.max_len = max_len
+        # a quantized cache: int8/float8 K and V, and one float16 scale per position and head. Zeros, so that a
+        # position never written dequantizes to 0 (the fixed-shape step masks such positions, kvbook.cuda_graph)
+        self.quantized = cache_dtype if cache_dtype is not None and quant.is_quantized_cache(cache_dtype) else None
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            scales = (batch, max_len, kv_heads, 1)
+            self.k_scale = torch.zeros(scales, dtype=quant.KV_SCALE_DTYPE, device=device).transpose(1, 2)
+            self.v_scale = torch.zeros(scales, dtype=quant.KV_SCALE_DTYPE, device=device).transpose(1, 2)
         # Stored position-major, [1, 4096, 32, 128], and seen through a transpose as [1, 32, 4096, 128]: a new
         # sequence's positions then fill consecutive memory. Head-major storage puts each head's first positions
         # 1 MiB apart, and with transparent huge pages the first write to a fresh cache faulted in 192 pages of
@@ -38,16 +55,32 @@ class LayerKVCache:
                 f"KV cache full at layer {self.layer}: writing position {end - 1} needs {end} positions but "
                 f"max_cache_len is {self.max_len}; raise [kv_cache] max_cache_len to at least {end} "
                 f"(--set kv_cache.max_cache_len={end}) or generate fewer tokens")
+        if self.quantized:
+            self.k[:, :, start:end], self.k_scale[:, :, start:end] = quant.quantize_kv(k_new, self.quantized)
+            self.v[:, :, start:end], self.v_scale[:, :, start:end] = quant.quantize_kv(v_new, self.quantized)
+            self.length = end
+            return self.keys(), self.values()  # float32, dequantized
         self.k[:, :, start:end] = k_new  # after the history, never before it; converted to cache_dtype
         self.v[:, :, start:end] = v_new
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]  # views in cache_dtype: nothing is copied
 
     def keys(self) -> torch.Tensor:
+        if self.quantized:
+            return quant.dequantize_kv(self.k[:, :, :self.length], self.k_scale[:, :, :self.length])
         return self.k[:, :, :self.length]  # [B, KV, length, D]
 
     def values(self) -> torch.Tensor:
+        if self.quantized:
+            return quant.dequantize_kv(self.v[:, :, :self.length], self.v_scale[:, :, :self.length])
         return self.v[:, :, :self.length]  # [B, KV, length, D]
+
+    def stored_bytes(self, positions: int) -> int:
+        """Bytes of K and V (and their scales) for `positions` positions."""
+        per_position = self.k[:, :, 0].numel() * self.k.element_size()
+        if self.quantized:
+            per_position += self.k_scale[:, :, 0].numel() * self.k_scale.element_size()
+        return 2 * positions * per_position
 
 
 class LayeredCache:
@@ -76,17 +109,18 @@ class KVCache(LayeredCache):
     def __init__(self, model: ModelConfig, kv: KVCacheConfig, device: torch.device, batch: int = 1):
         self.layers = [
             LayerKVCache(i, batch, model.num_key_value_heads, kv.max_cache_len, model.head_dim,
-                         TORCH_DTYPES[kv.cache_dtype], device)
+                         storage_dtype(kv.cache_dtype), device, kv.cache_dtype)
             for i in range(model.num_hidden_layers)
         ]
 
     def filled_bytes(self) -> int:
-        """Bytes of K and V actually holding positions: 2 x layers x kv_heads x head_dim x length x size."""
-        return sum(2 * layer.keys().numel() * layer.k.element_size() for layer in self.layers)
+        """Bytes of K and V actually holding positions: 2 x layers x kv_heads x head_dim x length x size (and the
+        scales of a quantized cache: config.kv_cache_bytes)."""
+        return sum(layer.stored_bytes(layer.length) for layer in self.layers)
 
     def reserved_bytes(self) -> int:
         """Bytes preallocated for max_cache_len positions."""
-        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers)
+        return sum(layer.stored_bytes(layer.max_len) for layer in self.layers)
 
 
 class BucketedLayerView:
@@ -97,9 +131,17 @@ class BucketedLayerView:
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k_new, v_new [1, KV, 1, D] -> K and V of the first `bucket` positions [1, KV, bucket, D]."""
-        self.layer.k.index_copy_(2, self.position, k_new.to(self.layer.k.dtype))  # at the position tensor
-        self.layer.v.index_copy_(2, self.position, v_new.to(self.layer.v.dtype))
-        return self.layer.k[:, :, :self.bucket], self.layer.v[:, :, :self.bucket]
+        layer = self.layer
+        if layer.quantized:
+            for store, scales, new in ((layer.k, layer.k_scale, k_new), (layer.v, layer.v_scale, v_new)):
+                values, scale = quant.quantize_kv(new, layer.quantized)
+                store.index_copy_(2, self.position, values)
+                scales.index_copy_(2, self.position, scale)
+            return (quant.dequantize_kv(layer.k[:, :, :self.bucket], layer.k_scale[:, :, :self.bucket]),
+                    quant.dequantize_kv(layer.v[:, :, :self.bucket], layer.v_scale[:, :, :self.bucket]))
+        layer.k.index_copy_(2, self.position, k_new.to(layer.k.dtype))  # at the position tensor
+        layer.v.index_copy_(2, self.position, v_new.to(layer.v.dtype))
+        return layer.k[:, :, :self.bucket], layer.v[:, :, :self.bucket]
 
 
 class BucketedCache(LayeredCache):

@@ -22,9 +22,9 @@ from collections import deque
 
 import torch
 
-from .config import DTYPE_BYTES, KVCacheConfig, ModelConfig
-from .device import TORCH_DTYPES
-from .kv_cache import CacheFullError, LayeredCache
+from . import quant
+from .config import KVCacheConfig, ModelConfig, kv_cache_bytes
+from .kv_cache import CacheFullError, LayeredCache, storage_dtype
 
 
 class PoolExhaustedError(CacheFullError):
@@ -39,9 +39,19 @@ class BlockPool:
         self.num_blocks = blocks_for_budget(model, kv)
         slots = self.num_blocks * self.block_size
         shape = (slots, model.num_key_value_heads, model.head_dim)  # [4096, 32, 128] for the default budget
-        dtype = TORCH_DTYPES[kv.cache_dtype]
+        dtype = storage_dtype(kv.cache_dtype)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_hidden_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_hidden_layers)]
+        # a quantized cache (kvbook.quant): one float16 scale per slot and head, [slots, KV, 1]
+        self.quantized = kv.cache_dtype if quant.is_quantized_cache(kv.cache_dtype) else None
+        self.k_scale = self.v_scale = None
+        if self.quantized:
+            scales = (slots, model.num_key_value_heads, 1)
+            self.k_scale = [torch.zeros(scales, dtype=quant.KV_SCALE_DTYPE, device=device)
+                            for _ in range(model.num_hidden_layers)]
+            self.v_scale = [torch.zeros(scales, dtype=quant.KV_SCALE_DTYPE, device=device)
+                            for _ in range(model.num_hidden_layers)]
+        self._block_bytes = kv_cache_bytes(model, self.block_size, kv.cache_dtype)
         # least recently freed first: a freed block that still has a key is reused for new positions last
         self.free_blocks: deque[int] = deque(range(self.num_blocks))
         self.ref_count = [0] * self.num_blocks  # sequences holding each block
@@ -94,8 +104,8 @@ class BlockPool:
         return self.num_blocks - len(self.free_blocks)
 
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        return 2 * len(self.k) * self.block_size * self.k[0].shape[1] * self.k[0].shape[2] * self.k[0].element_size()
+        """Bytes of one block across all layers, K and V (and their scales): config.kv_cache_bytes."""
+        return self._block_bytes
 
     def reserved_bytes(self) -> int:
         return self.num_blocks * self.block_bytes()
@@ -113,8 +123,7 @@ def block_keys(token_ids: list[int], block_size: int, parent: bytes = b"") -> li
 
 def blocks_for_budget(model: ModelConfig, kv: KVCacheConfig) -> int:
     """pool_mib of memory in blocks; 0 means the contiguous cache's budget (max_cache_len positions)."""
-    per_block = 2 * model.num_hidden_layers * kv.block_size * model.num_key_value_heads * model.head_dim * \
-        DTYPE_BYTES[kv.cache_dtype]
+    per_block = kv_cache_bytes(model, kv.block_size, kv.cache_dtype)  # an int8 cache: about half a float16 one
     if kv.pool_mib:
         return max(1, kv.pool_mib * 2**20 // per_block)
     return -(-kv.max_cache_len // kv.block_size)
@@ -134,20 +143,31 @@ class PagedLayerCache:
         slots = self.sequence.slot_mapping(start, end)  # [T]
         pool = self.sequence.pool
         storage_k, storage_v = pool.k[self.layer], pool.v[self.layer]
-        storage_k[slots] = k_new[0].transpose(0, 1).to(storage_k.dtype)  # [T, KV, D], converted to cache_dtype
-        storage_v[slots] = v_new[0].transpose(0, 1).to(storage_v.dtype)
+        if pool.quantized:
+            storage_k[slots], pool.k_scale[self.layer][slots] = quant.quantize_kv(k_new[0].transpose(0, 1),
+                                                                                  pool.quantized)
+            storage_v[slots], pool.v_scale[self.layer][slots] = quant.quantize_kv(v_new[0].transpose(0, 1),
+                                                                                  pool.quantized)
+        else:
+            storage_k[slots] = k_new[0].transpose(0, 1).to(storage_k.dtype)  # [T, KV, D], converted to cache_dtype
+            storage_v[slots] = v_new[0].transpose(0, 1).to(storage_v.dtype)
         self.length = end
         return self.keys(), self.values()
 
     def keys(self) -> torch.Tensor:
-        return self._gather(self.sequence.pool.k[self.layer])
+        pool = self.sequence.pool
+        return self._gather(pool.k[self.layer], pool.k_scale[self.layer] if pool.quantized else None)
 
     def values(self) -> torch.Tensor:
-        return self._gather(self.sequence.pool.v[self.layer])
+        pool = self.sequence.pool
+        return self._gather(pool.v[self.layer], pool.v_scale[self.layer] if pool.quantized else None)
 
-    def _gather(self, storage: torch.Tensor) -> torch.Tensor:
-        """Read positions 0 .. length-1 through the block table: [1, KV, length, D]."""
-        return storage[self.sequence.slot_mapping(0, self.length)].transpose(0, 1)[None]
+    def _gather(self, storage: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """Read positions 0 .. length-1 through the block table: [1, KV, length, D] (float32 if quantized)."""
+        slots = self.sequence.slot_mapping(0, self.length)
+        if scales is not None:
+            return quant.dequantize_kv(storage[slots], scales[slots]).transpose(0, 1)[None]
+        return storage[slots].transpose(0, 1)[None]
 
 
 class PagedKVCache(LayeredCache):

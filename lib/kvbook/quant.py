@@ -1,0 +1,229 @@
+"""Reading fewer bytes: int8 weights ([inference] weight_dtype = "int8") and a quantized KV cache
+([kv_cache] cache_dtype = "int8" or "float8_e4m3fn").
+
+At batch 1 a decode step reads every weight once and does two FLOPs per weight read: no float16 engine gets below
+weight bytes / memory bandwidth (chapter 7's roofline). Storing the matrices in int8 halves those bytes.
+
+Weights, per output channel (one row of a [out, in] matrix):
+    scale = max(|row|) / 127,  q = round(row / scale) in -127..127,  row ~ q * scale.
+Activations stay floating point (weight-only quantization): y = (x @ q.T) * scale, the scale applied once per output.
+
+The kernel is torch's own `torch.ops.aten._weight_int8pack_mm(x, q, scale)` (int8 [out, in], a scale per output
+in x's dtype; a CPU and a CUDA implementation ship with torch). torchao (0.18.0, the maintained library for this)
+installs without pulling another torch, but on the CPU its Int8WeightOnlyConfig dequantizes the whole weight and
+runs a floating matrix product on every call, which reads more bytes, not fewer (BENCHMARKS.md, "int8"). The CPU
+kernel is fast only with bfloat16 activations (float16 and float32 ones take 10-30x longer on the CPUs measured,
+BENCHMARKS.md), so on the CPU the rows are converted to bfloat16 for it and the result back to the caller's dtype.
+
+Prefill (more than DECODE_ROWS rows) is a matrix product, where this kernel is not the fast path on every CPU: it
+uses the layer's floating prefill copy when the engine made one (kvbook.weights, [inference] prefill_dtype), else
+dequantizes the matrix for the call. lm_head is quantized too (a third of the weights; it runs on one position in
+prefill as well); the embedding stays in [inference] dtype: a lookup reads one row per token.
+
+KV cache: each position's K (and V) of each head, head_dim numbers, shares one float16 scale (max |x| / 127 for
+int8, / 448 for float8 e4m3), so a position costs head_dim + 2 bytes per head instead of 2 x head_dim. Attention
+reads the cache dequantized to float32, where its products run anyway (kvbook.attention).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .config import ConfigError
+from .linear import Linear
+
+INT8_MAX = 127
+# a decode step of up to this many sequences reads the int8 weights; more rows (prefill) use the floating path
+DECODE_ROWS = 16
+# rows quantized at a time: bounds the float32 temporary (rows x in_features x 4 bytes)
+QUANTIZE_CHUNK_ROWS = 4096
+
+
+class QuantizationError(ConfigError):
+    """A checkpoint that cannot be quantized, or a device that cannot run the int8 kernels."""
+
+
+def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The activations' dtype for the int8 kernel: bfloat16 on a CPU (its only fast variant there), else dtype."""
+    return torch.bfloat16 if device.type == "cpu" else dtype
+
+
+def quantize_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype,
+                         name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (q int8 [out, in], scale [out] in scale_dtype) with q * scale ~ weight.
+
+    The scale is rounded to scale_dtype first and q computed with the rounded scale, so dequantize() is the best
+    int8 approximation the stored numbers can give."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise QuantizationError(f"[inference] weight_dtype = \"int8\": {name} is {weight.dtype} "
+                                f"{list(weight.shape)}, only 2-D floating matrices can be quantized; use "
+                                "weight_dtype = \"auto\" for this checkpoint")
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=scale_dtype, device=weight.device)
+    for start in range(0, weight.shape[0], QUANTIZE_CHUNK_ROWS):
+        rows = weight[start:start + QUANTIZE_CHUNK_ROWS].float()  # [chunk, in]
+        amax = rows.abs().amax(dim=1)  # [chunk]
+        if not torch.isfinite(amax).all():
+            raise QuantizationError(f"[inference] weight_dtype = \"int8\": {name} holds inf or NaN (row "
+                                    f"{start + int((~torch.isfinite(amax)).nonzero()[0])}), which no scale "
+                                    "represents; use weight_dtype = \"auto\" for this checkpoint")
+        # an all-zero row gets the smallest scale: its q is 0 and dequantizes to 0
+        row_scale = (amax / INT8_MAX).to(scale_dtype).clamp(min=torch.finfo(scale_dtype).tiny)
+        q[start:start + rows.shape[0]] = (rows / row_scale.float()[:, None]).round_().clamp_(
+            -INT8_MAX, INT8_MAX).to(torch.int8)
+        scale[start:start + rows.shape[0]] = row_scale
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [out, in] and scale [out] -> the matrix in dtype (computed in float32, rounded once)."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+class Int8Linear(nn.Module):
+    """A bias-free linear layer with int8 weights and one scale per output channel (weight-only)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, prefill_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qweight", q)  # int8 [out, in]
+        self.register_buffer("scale", scale)  # [out], in the kernel's activation dtype
+        self.prefill_weight = prefill_weight  # a floating copy for prefill (kvbook.linear), or None
+
+    @classmethod
+    def from_linear(cls, linear: Linear, act_dtype: torch.dtype, name: str = "weight") -> Int8Linear:
+        q, scale = quantize_per_channel(linear.weight, act_dtype, name)
+        return cls(q, scale, linear.prefill_weight)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a decode step reads: the int8 matrix and its scales."""
+        return self.qweight.nbytes + self.scale.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > DECODE_ROWS:  # prefill: a matrix product, on the floating copy or a dequantized one
+            if self.prefill_weight is not None:
+                return F.linear(x.to(self.prefill_weight.dtype), self.prefill_weight)
+            return F.linear(x, dequantize(self.qweight, self.scale, x.dtype))
+        flat = x.reshape(rows, self.in_features).to(self.scale.dtype)  # [B, in]
+        out = int8_matmul(flat, self.qweight, self.scale)  # [B, out]
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_model(model: nn.Module, act_dtype: torch.dtype, device: torch.device) -> int:
+    """Replace every Linear of the decoder layers and lm_head with an Int8Linear -> weight bytes after.
+
+    A model already quantized (shared by another Engine) is left as it is. A tied lm_head (Qwen3's small sizes)
+    gets its own int8 copy: the embedding stays floating for the lookup."""
+    check_int8_kernel(device, act_dtype)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, Int8Linear.from_linear(module, act_dtype, f"{name}.weight"))
+    return quantized_weight_bytes(model)
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight a decode step reads: int8 matrices with their scales, and the rest as stored (the
+    embedding counts whole, though a step reads only one row of it)."""
+    int8 = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int8Linear))
+    return int8 + sum(p.nbytes for p in model.parameters())  # int8 ones are buffers, not parameters
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [B, in] @ (q [out, in] * scale [out]).T -> [B, out] in x's dtype (torch's int8 weight-only kernel)."""
+    return torch.ops.aten._weight_int8pack_mm(x, q, scale)
+
+
+def check_int8_kernel(device: torch.device, act_dtype: torch.dtype) -> None:
+    """Run the int8 kernel once on a tiny matrix: a device without it fails here, naming the key."""
+    try:
+        x = torch.ones(1, 32, dtype=act_dtype, device=device)
+        q = torch.ones(8, 32, dtype=torch.int8, device=device)
+        int8_matmul(x, q, torch.ones(8, dtype=act_dtype, device=device))
+    except (RuntimeError, NotImplementedError) as err:
+        raise QuantizationError(f"[inference] weight_dtype = \"int8\": the int8 kernel does not run on {device} "
+                                f"with {act_dtype} activations ({str(err).splitlines()[0]}); use weight_dtype = "
+                                "\"auto\"") from None
+
+
+# ---- the KV cache ---------------------------------------------------------------------------------------
+
+KV_STORAGE = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+KV_MAX = {"int8": float(INT8_MAX), "float8_e4m3fn": torch.finfo(torch.float8_e4m3fn).max}  # 127, 448
+KV_SCALE_DTYPE = torch.float16
+
+
+def is_quantized_cache(cache_dtype: str) -> bool:
+    return cache_dtype in KV_STORAGE
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (values [..., D] in the cache's storage dtype, scale [..., 1] float16): one scale per
+    position and head."""
+    top = KV_MAX[cache_dtype]
+    amax = x.float().abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    scale = (amax / top).to(KV_SCALE_DTYPE).clamp(min=torch.finfo(KV_SCALE_DTYPE).smallest_normal * 2**-10)
+    scaled = x.float() / scale.float()
+    if cache_dtype == "int8":
+        return scaled.round_().clamp_(-top, top).to(torch.int8), scale
+    return scaled.clamp_(-top, top).to(KV_STORAGE[cache_dtype]), scale
+
+
+def dequantize_kv(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """-> float32 [..., D]: attention's products run in float32."""
+    return values.float() * scale.float()
+
+
+def check_cache_dtype(cache_dtype: str, device: torch.device) -> None:
+    """Quantize and dequantize a few numbers on the device: one that cannot store cache_dtype fails here."""
+    if not is_quantized_cache(cache_dtype):
+        return
+    try:
+        dequantize_kv(*quantize_kv(torch.ones(2, 4, device=device), cache_dtype))
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        raise QuantizationError(f"[kv_cache] cache_dtype = {cache_dtype!r} does not run on {device} "
+                                f"({str(err).splitlines()[0]}); use \"int8\" or \"float16\"") from None
+
+
+# ---- what quantization costs: the same tokens fed to two engines, their next-token distributions compared ----
+
+@torch.inference_mode()
+def teacher_forced_logits(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Prefill `prompt`, then decode feeding `tokens` (another engine's greedy choices) one at a time ->
+    float32 logits [len(tokens) + 1, vocab]: row 0 from prefill, row i after feeding tokens[i - 1]. Both engines
+    then see the same history, so their logits compare position by position even where a near-tie flipped."""
+    cache = engine.new_cache()
+    logits, _ = engine.prefill(cache, prompt)
+    rows = [logits[0, -1].float()]
+    for index, token in enumerate(tokens):
+        position = torch.tensor([len(prompt) + index], device=engine.device)
+        step = engine.model(torch.tensor([[token]], device=engine.device), position, cache,
+                            compute_dtype=engine.dtype)  # [1, 1, vocab]
+        rows.append(step[0, -1].float())
+    if hasattr(cache, "free"):
+        cache.free()
+    return torch.stack(rows).cpu()
+
+
+def logit_error(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
+    """reference, other [steps, vocab] float32 -> the largest absolute difference, that relative to the
+    reference logits' spread (their standard deviation over the vocabulary, averaged over steps), and the KL
+    divergence KL(reference || other) of the next-token distributions (mean and max over steps, in nats)."""
+    difference = float((reference - other).abs().max())
+    spread = float(reference.std(dim=-1).mean())
+    kl = torch.sum(torch.softmax(reference, -1) * (torch.log_softmax(reference, -1) - torch.log_softmax(other, -1)),
+                   dim=-1)  # [steps]
+    return {"max_abs_error": difference, "logit_spread": spread, "relative_error": difference / spread,
+            "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
+
+
+def greedy_agreement(reference: list[int], other: list[int]) -> dict[str, float]:
+    """Two greedy runs from the same prompt: the share of equal tokens and the first step that differs."""
+    same = [a == b for a, b in zip(reference, other, strict=True)]
+    first = same.index(False) if not all(same) else len(same)
+    return {"agreement": sum(same) / len(same), "first_difference": first}

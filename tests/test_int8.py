@@ -1,0 +1,229 @@
+"""int8 weights and a quantized KV cache (kvbook.quant): the int8 path against a dequantized reference, the int8
+and float8 caches against a float one, the pool that holds about twice the positions for the same memory, and the
+errors that name the key. Small float32 configs; what quantization costs on the full model is measured by
+scripts/quant_cost.py and recorded in BENCHMARKS.md, not asserted here."""
+
+import copy
+
+import pytest
+import torch
+from kvbook import quant
+from kvbook.config import Config, ConfigError, KVCacheConfig, ModelConfig, kv_cache_bytes, load_config
+from kvbook.engine import Engine
+from kvbook.linear import Linear
+from kvbook.paged_cache import BlockPool, blocks_for_budget
+from kvbook.scheduler import Scheduler
+
+from .conftest import small_config
+
+# The CPU kernel takes bfloat16 rows and rounds its output to bfloat16: relative error 2**-9 per output, and
+# the rows' own rounding to bfloat16 (2**-9 each) before the dot product. 2**-7 covers both with room.
+KERNEL_RTOL = 2**-7
+
+
+def int8_engine(cfg: Config, **inference) -> Engine:
+    return Engine(cfg.replace(inference={"weight_dtype": "int8", **inference}), progress=False)
+
+
+def dequantized_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """The int8 model with every Int8Linear turned back into a float32 Linear holding q * scale."""
+    reference = copy.deepcopy(model)
+    for name, module in list(reference.named_modules()):
+        if isinstance(module, quant.Int8Linear):
+            linear = Linear(module.in_features, module.out_features, dtype=torch.float32)
+            linear.weight = torch.nn.Parameter(quant.dequantize(module.qweight, module.scale, torch.float32),
+                                               requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(reference.get_submodule(parent) if parent else reference, child, linear)
+    return reference
+
+
+def test_per_channel_quantization_rounds_each_row_to_its_own_scale():
+    weight = torch.randn(96, 64) * 0.02
+    weight[3] = 0  # an all-zero row must not divide by zero
+    weight[5, 7] = 1.0  # one outlier sets only its own row's scale
+    q, scale = quant.quantize_per_channel(weight, torch.bfloat16)
+    assert q.dtype == torch.int8 and q.shape == (96, 64) and scale.shape == (96,)
+    assert int(q.abs().max()) == 127 and int(q[3].abs().max()) == 0
+    error = (weight - quant.dequantize(q, scale, torch.float32)).abs()
+    assert bool((error <= scale.float()[:, None] * 0.5 * (1 + 1e-6)).all())  # at most half a step per row
+    assert float(scale[5]) > 10 * float(scale[4])
+
+
+@pytest.mark.parametrize("rows", [1, 3, quant.DECODE_ROWS])
+def test_int8_linear_equals_a_dequantized_matrix_product(rows):
+    torch.manual_seed(0)
+    linear = Linear(256, 96, dtype=torch.float32)
+    linear.weight = torch.nn.Parameter(torch.randn(96, 256) * 0.02, requires_grad=False)
+    int8 = quant.Int8Linear.from_linear(linear, torch.bfloat16)
+    x = torch.randn(1, rows, 256)
+    reference = x.to(torch.bfloat16).float() @ quant.dequantize(int8.qweight, int8.scale, torch.float32).T
+    out = int8(x)
+    assert out.shape == (1, rows, 96) and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, rtol=KERNEL_RTOL, atol=1e-6)
+    # a row's result does not depend on the rows beside it (batch invariance of a batched decode step)
+    alone = torch.cat([int8(x[:, i:i + 1]) for i in range(rows)], dim=1)
+    assert torch.equal(alone, out)
+
+
+def test_prefill_rows_use_the_floating_copy_or_a_dequantized_matrix():
+    linear = Linear(64, 32, dtype=torch.float32)
+    linear.weight = torch.nn.Parameter(torch.randn(32, 64) * 0.02, requires_grad=False)
+    x = torch.randn(1, quant.DECODE_ROWS + 1, 64)
+    int8 = quant.Int8Linear.from_linear(linear, torch.bfloat16)
+    dequantized = quant.dequantize(int8.qweight, int8.scale, torch.float32)
+    assert torch.equal(int8(x), torch.nn.functional.linear(x, dequantized))
+    linear.prefill_weight = linear.weight.to(torch.bfloat16)
+    with_copy = quant.Int8Linear.from_linear(linear, torch.bfloat16)
+    assert torch.equal(with_copy(x.to(torch.bfloat16)), torch.nn.functional.linear(x.to(torch.bfloat16),
+                                                                                   linear.prefill_weight))
+
+
+def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cache):
+    cfg = small_config()
+    engine = int8_engine(cfg)
+    model = engine.model
+    int8 = [name for name, m in model.named_modules() if isinstance(m, quant.Int8Linear)]
+    assert len(int8) == 7 * cfg.model.num_hidden_layers + 1 and "lm_head" in int8
+    assert not any(isinstance(m, Linear) for m in model.modules())
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    # matrices: 1 byte per weight instead of 4, plus one bfloat16 scale per output channel
+    int8 = [m for m in model.modules() if isinstance(m, quant.Int8Linear)]
+    matrices = sum(m.in_features * m.out_features + 2 * m.out_features for m in int8)
+    floating = sum(p.nbytes for p in model.parameters())  # the embedding and the norms' weights
+    assert floating == 4 * (cfg.model.vocab_size * cfg.model.hidden_size + sum(
+        p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight")))
+    assert quant.quantized_weight_bytes(model) == matrices + floating
+
+
+def test_int8_engine_equals_its_dequantized_reference(weight_cache):
+    """The whole decode path (prefill, cached decode steps, lm_head) against float32 matrices holding q * scale:
+    the only difference left is the kernel's bfloat16 rounding of rows and outputs."""
+    cfg = small_config(max_cache_len=128)
+    engine = int8_engine(cfg)
+    reference = Engine(cfg, model=dequantized_reference(engine.model), progress=False)
+    prompt = list(range(100, 140))
+    tokens = reference.generate(prompt, 24, ignore_eos=True).output_ids[:-1]
+    ours = quant.teacher_forced_logits(engine, prompt, tokens)
+    theirs = quant.teacher_forced_logits(reference, prompt, tokens)
+    assert ours.shape == (24, cfg.model.vocab_size)
+    spread = float(theirs.std(dim=-1).mean())
+    assert quant.logit_error(theirs, ours)["max_abs_error"] <= 0.02 * spread
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize(("cache_dtype", "tolerance"), [("int8", 0.05), ("float8_e4m3fn", 0.5)])
+def test_quantized_cache_logits_stay_close_to_a_float_cache(weight_cache, layout, cache_dtype, tolerance):
+    """Stated tolerances, as a share of the logits' spread: int8 keeps 8 bits per number, float8 e4m3 only 4."""
+    cfg = small_config(max_cache_len=128)
+    floating = Engine(cfg, progress=False)
+    quantized = Engine(cfg.replace(kv_cache={"cache_dtype": cache_dtype, "layout": layout}), model=floating.model,
+                       progress=False)
+    prompt = list(range(100, 140))
+    tokens = floating.generate(prompt, 24, ignore_eos=True).output_ids[:-1]
+    reference = quant.teacher_forced_logits(floating, prompt, tokens)
+    error = quant.logit_error(reference, quant.teacher_forced_logits(quantized, prompt, tokens))
+    assert 0 < error["relative_error"] <= tolerance
+
+
+def test_quantized_cache_round_trip_is_within_half_a_step_per_position_and_head():
+    x = torch.randn(1, 4, 10, 16)
+    values, scale = quant.quantize_kv(x, "int8")
+    assert values.dtype == torch.int8 and scale.shape == (1, 4, 10, 1) and scale.dtype == torch.float16
+    assert bool(((quant.dequantize_kv(values, scale) - x).abs() <= scale.float() * 0.5 * (1 + 1e-3)).all())
+
+
+def test_int8_cache_bytes_follow_the_formula_and_half_the_float16_ones(weight_cache):
+    cfg = small_config(dtype="float32", max_cache_len=128)
+    engine = Engine(cfg.replace(kv_cache={"cache_dtype": "int8"}), progress=False)
+    cache = engine.new_cache()
+    engine.prefill(cache, list(range(100, 137)))
+    assert cache.filled_bytes() == kv_cache_bytes(cfg.model, 37, "int8")
+    stored = sum(t.nbytes for layer in cache.layers for t in (layer.k, layer.v, layer.k_scale, layer.v_scale))
+    assert cache.reserved_bytes() == stored == kv_cache_bytes(cfg.model, 128, "int8")
+    # the article's model: head_dim 128 numbers in 1 byte + a 2-byte scale, against 2 bytes each
+    article = ModelConfig()
+    assert kv_cache_bytes(article, 256, "int8") / kv_cache_bytes(article, 256, "float16") == 130 / 256
+
+
+def test_the_pool_holds_about_twice_the_positions_for_the_same_memory():
+    article = ModelConfig()
+    float16 = KVCacheConfig(layout="paged", pool_mib=1024)
+    int8 = KVCacheConfig(layout="paged", pool_mib=1024, cache_dtype="int8")
+    blocks16, blocks8 = blocks_for_budget(article, float16), blocks_for_budget(article, int8)
+    assert blocks16 == 1024 * 2**20 // kv_cache_bytes(article, 16, "float16") == 1365
+    assert blocks8 == 1024 * 2**20 // kv_cache_bytes(article, 16, "int8") == 2688  # 1.97x: 256 / 130 bytes
+    small = small_config()
+    pool = BlockPool(small.model, KVCacheConfig(layout="paged", pool_mib=1, cache_dtype="int8"), torch.device("cpu"))
+    stored = sum(t.nbytes for tensors in (pool.k, pool.v, pool.k_scale, pool.v_scale) for t in tensors)
+    assert stored == pool.reserved_bytes() <= 2**20
+
+
+def test_the_scheduler_admits_more_sequences_into_an_int8_pool(weight_cache):
+    """The same pool_mib: 9 sequences of 207 positions fit in float32 blocks, 35 in int8 ones (with scales)."""
+    cfg = small_config(max_cache_len=256)
+    admitted = {}
+    model = None
+    for cache_dtype in ("float32", "int8"):
+        engine = Engine(cfg.replace(kv_cache={"cache_dtype": cache_dtype, "layout": "paged", "pool_mib": 1}),
+                        model=model, progress=False)
+        model = engine.model
+        scheduler = Scheduler(engine, max_num_seqs=64)
+        for i in range(40):
+            scheduler.add([100 + i] * 200, 8, ignore_eos=True)
+        peak = 0
+        while scheduler.has_work:
+            scheduler.step()
+            peak = max(peak, len(scheduler.running))
+        admitted[cache_dtype] = peak
+    assert admitted == {"float32": 128 // 13, "int8": 455 // 13}
+
+
+def test_int8_batched_decode_gives_each_sequence_its_tokens_alone(weight_cache):
+    cfg = small_config(max_cache_len=128)
+    engine = int8_engine(cfg)
+    prompts = [list(range(100, 130)), list(range(300, 320)), list(range(500, 545))]
+    batched = engine.generate_batch(prompts, 12, ignore_eos=True)
+    for prompt, run in zip(prompts, batched, strict=True):
+        assert run.output_ids == engine.generate(prompt, 12, ignore_eos=True).output_ids
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("inference.weight_dtype=int4", "[inference] weight_dtype = 'int4': must be one of 'auto', 'int8'"),
+    ("inference.weight_dtype=float32", "[inference] weight_dtype = 'float32': floating weights are stored in "
+                                       "[inference] dtype = 'float16'; set weight_dtype = \"auto\""),
+    ("kv_cache.cache_dtype=int4", "[kv_cache] cache_dtype = 'int4': must be one of"),
+])
+def test_bad_quantization_keys_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_device_without_the_int8_kernel_names_the_key(weight_cache, monkeypatch):
+    def missing(*args):
+        raise NotImplementedError("Could not run 'aten::_weight_int8pack_mm' with arguments from this backend")
+
+    monkeypatch.setattr(quant, "int8_matmul", missing)
+    with pytest.raises(ConfigError, match=r"^\[inference\] weight_dtype = \"int8\": the int8 kernel does not run "
+                                          r"on cpu with torch.bfloat16 activations \(Could not run"):
+        int8_engine(small_config())
+
+
+def test_a_device_without_the_cache_dtype_names_the_key(weight_cache, monkeypatch):
+    def missing(*args):
+        raise RuntimeError("\"copy_\" not implemented for 'Float8_e4m3fn'")
+
+    monkeypatch.setattr(quant, "quantize_kv", missing)
+    with pytest.raises(ConfigError, match=r"^\[kv_cache\] cache_dtype = 'float8_e4m3fn' does not run on cpu"):
+        Engine(small_config().replace(kv_cache={"cache_dtype": "float8_e4m3fn"}), progress=False)
+
+
+def test_a_checkpoint_with_inf_cannot_be_quantized_and_says_which_tensor(weight_cache):
+    floating = Engine(small_config(), progress=False)
+    model = copy.deepcopy(floating.model)
+    model.model.layers[1].mlp.up_proj.weight[7, 3] = float("inf")
+    with pytest.raises(ConfigError) as err:
+        Engine(small_config().replace(inference={"weight_dtype": "int8"}), model=model, progress=False)
+    assert str(err.value).startswith("[inference] weight_dtype = \"int8\": model.layers.1.mlp.up_proj.weight "
+                                     "holds inf or NaN (row 7)")
