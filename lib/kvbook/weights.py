@@ -8,6 +8,7 @@ Explained in chapter 1 ("The pipeline").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -121,13 +122,14 @@ log = logging.getLogger(__name__)
 
 
 def _save_atomically(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".partial-{os.getpid()}-{threading.get_ident()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(partial), metadata={"kvbook_init": str(INIT_VERSION)})
         os.replace(partial, path)  # atomic: an interrupted write never leaves a half file under the real name
     except OSError as err:  # a full disk or a read-only cache costs the next run a redraw, nothing else
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
         log.warning("kvbook: could not cache weights in %s (%s); the next run draws them again", path, err)
         return
     # Only the logger speaks from this thread: a print would land in whatever notebook cell runs next.
