@@ -13,6 +13,7 @@ from kvbook.engine import Engine
 from kvbook.linear import Linear
 from kvbook.paged_cache import BlockPool, blocks_for_budget
 from kvbook.scheduler import Scheduler
+from kvbook.weights import wait_for_saves
 
 from .conftest import small_config
 
@@ -94,6 +95,18 @@ def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cach
     assert floating == 4 * (cfg.model.vocab_size * cfg.model.hidden_size + sum(
         p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight")))
     assert quant.quantized_weight_bytes(model) == matrices + floating
+
+
+def test_int8_matrices_are_cached_beside_the_random_weights(weight_cache):
+    cfg = small_config()
+    first = int8_engine(cfg)
+    wait_for_saves()
+    assert [path.name.split(".", 1)[1] for path in weight_cache.glob("*.int8-*")] == ["int8-bfloat16.safetensors"]
+    second = int8_engine(cfg)  # reads them back instead of quantizing again
+    pairs = [(a, b) for a, b in zip(first.model.modules(), second.model.modules(), strict=True)
+             if isinstance(a, quant.Int8Linear)]
+    assert len(pairs) == 7 * cfg.model.num_hidden_layers + 1
+    assert all(torch.equal(a.qweight, b.qweight) and torch.equal(a.scale, b.scale) for a, b in pairs)
 
 
 def test_int8_engine_equals_its_dequantized_reference(weight_cache):

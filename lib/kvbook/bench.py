@@ -24,6 +24,7 @@ import torch
 
 from .config import Config, kv_cache_bytes
 from .device import TORCH_DTYPES, resolve_device, synchronize
+from .quant import int8_weight_bytes
 from .weights import expected_shapes
 
 PROBE_ROWS, PROBE_COLS = 65536, 4096  # 512 MiB in float16: far larger than any cache
@@ -45,6 +46,8 @@ def _spread(values: list[float]) -> dict:
 def decode_weight_bytes(config: Config) -> int:
     """Bytes every decode step must read: every weight but the embedding table, of which it looks up one row
     (with tied embeddings, lm_head is that table and is read whole)."""
+    if config.inference.weight_dtype == "int8":  # int8 matrices and their scales (kvbook.quant)
+        return int8_weight_bytes(config.model, _dtype_size(config))
     shapes = expected_shapes(config.model)
     shapes.pop("model.embed_tokens.weight")
     if config.model.tie_word_embeddings:
@@ -53,6 +56,8 @@ def decode_weight_bytes(config: Config) -> int:
 
 
 def all_weight_bytes(config: Config) -> int:
+    if config.inference.weight_dtype == "int8":
+        return int8_weight_bytes(config.model, _dtype_size(config), decode=False)
     return sum(torch.Size(shape).numel() for shape in expected_shapes(config.model).values()) * _dtype_size(config)
 
 

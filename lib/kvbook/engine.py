@@ -97,6 +97,7 @@ class Engine:
         self.prefix_caching = config.kv_cache.prefix_caching
         started = time.perf_counter()
         separate_prefill = self.prefill_dtype != self.dtype
+        drawn = model is None  # random weights, from the weight cache (kvbook.weights)
         if model is None:
             weights, prefill = load_random_weights(config.model, self.dtype,
                                                    self.prefill_dtype if separate_prefill else None, progress)
@@ -108,7 +109,7 @@ class Engine:
                                                          self.prefill_dtype))
         quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
         if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.quant)
-            quant.quantize_model(model, quant.activation_dtype(self.device, self.dtype), self.device)
+            quant.quantize_model(model, self.device, self.dtype, drawn_from=config.model if drawn else None)
         elif self.device.type == "cpu" and self.dtype == torch.float16:
             split_long_inputs(model)
         synchronize(self.device)

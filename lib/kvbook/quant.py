@@ -27,7 +27,10 @@ reads the cache dequantized to float32, where its products run anyway (kvbook.at
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
@@ -113,17 +116,40 @@ class Int8Linear(nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_model(model: nn.Module, act_dtype: torch.dtype, device: torch.device) -> int:
-    """Replace every Linear of the decoder layers and lm_head with an Int8Linear -> weight bytes after.
+def int8_cache_path(model_cfg, dtype: torch.dtype, act_dtype: torch.dtype) -> Path:
+    """Where the int8 matrices of the random weights are cached, beside the weights' own file."""
+    from .weights import random_weights_path  # kvbook.weights imports the model, which imports this module
+
+    path = random_weights_path(model_cfg, dtype)
+    return path.with_name(f"{path.stem}.int8-{str(act_dtype).removeprefix('torch.')}.safetensors")
+
+
+def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, drawn_from=None) -> int:
+    """Replace every Linear of the decoder layers and lm_head with an Int8Linear, in place -> weight bytes after.
 
     A model already quantized (shared by another Engine) is left as it is. A tied lm_head (Qwen3's small sizes)
-    gets its own int8 copy: the embedding stays floating for the lookup."""
+    gets its own int8 copy: the embedding stays floating for the lookup. drawn_from: the ModelConfig of random
+    weights (kvbook.weights): their int8 matrices are read from the weight cache, or quantized and then written
+    there in the background, as the weights themselves are."""
+    from .weights import _save_in_background
+
+    act_dtype = activation_dtype(device, dtype)
     check_int8_kernel(device, act_dtype)
+    path = int8_cache_path(drawn_from, dtype, act_dtype) if drawn_from is not None else None
+    cached = load_file(str(path), device=str(device)) if path is not None and path.exists() else None
+    computed = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
+            if cached is not None:
+                q, scale = cached[f"{name}.qweight"], cached[f"{name}.scale"]
+            else:
+                q, scale = quantize_per_channel(module.weight, act_dtype, f"{name}.weight")
+                computed |= {f"{name}.qweight": q, f"{name}.scale": scale}
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Int8Linear.from_linear(module, act_dtype, f"{name}.weight"))
+            setattr(parent, child, Int8Linear(q, scale, module.prefill_weight))
+    if path is not None and cached is None and computed:
+        _save_in_background({name: t.cpu() for name, t in computed.items()}, path, progress=False)
     return quantized_weight_bytes(model)
 
 
@@ -137,6 +163,25 @@ def quantized_weight_bytes(model: nn.Module) -> int:
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [B, in] @ (q [out, in] * scale [out]).T -> [B, out] in x's dtype (torch's int8 weight-only kernel)."""
     return torch.ops.aten._weight_int8pack_mm(x, q, scale)
+
+
+def int8_weight_bytes(model_cfg, float_size: int, scale_size: int = 2, decode: bool = True) -> int:
+    """Bytes of the weights with int8 matrices (one scale of scale_size bytes per output channel) and norms in
+    the floating dtype. decode=True: what a decode step reads (the embedding contributes one row, counted as
+    none); False: what the model keeps (the embedding whole, in the floating dtype; no prefill copies)."""
+    from .weights import expected_shapes  # kvbook.weights imports the model, which imports this module
+
+    total = 0
+    for name, shape in expected_shapes(model_cfg).items():
+        if name == "model.embed_tokens.weight":
+            total += 0 if decode else shape[0] * shape[1] * float_size
+        elif len(shape) == 2:
+            total += shape[0] * shape[1] + shape[0] * scale_size
+        else:
+            total += shape[0] * float_size
+    if model_cfg.tie_word_embeddings:  # lm_head: its own int8 copy of the table
+        total += model_cfg.vocab_size * (model_cfg.hidden_size + scale_size)
+    return total
 
 
 def check_int8_kernel(device: torch.device, act_dtype: torch.dtype) -> None:
@@ -203,7 +248,7 @@ def teacher_forced_logits(engine, prompt: list[int], tokens: list[int]) -> torch
     for index, token in enumerate(tokens):
         position = torch.tensor([len(prompt) + index], device=engine.device)
         step = engine.model(torch.tensor([[token]], device=engine.device), position, cache,
-                            compute_dtype=engine.dtype)  # [1, 1, vocab]
+                            compute_dtype=getattr(engine, "decode_dtype", engine.dtype))  # [1, 1, vocab]
         rows.append(step[0, -1].float())
     if hasattr(cache, "free"):
         cache.free()
