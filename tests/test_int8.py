@@ -240,3 +240,27 @@ def test_a_checkpoint_with_inf_cannot_be_quantized_and_says_which_tensor(weight_
         Engine(small_config().replace(inference={"weight_dtype": "int8"}), model=model, progress=False)
     assert str(err.value).startswith("[inference] weight_dtype = \"int8\": model.layers.1.mlp.up_proj.weight "
                                      "holds inf or NaN (row 7)")
+
+
+def test_the_fixed_shape_step_writes_and_reads_an_int8_cache_like_the_ordinary_step(weight_cache):
+    """The step CUDA graphs replay (kvbook.cuda_graph), run eagerly: same quantized cache, same logits."""
+    from kvbook.cuda_graph import GraphedDecoder
+
+    engine = Engine(small_config(output_len=20).replace(kv_cache={"cache_dtype": "int8"}), progress=False)
+    decoder = GraphedDecoder(engine, bucket_size=8, capture=False)
+    plain = engine.new_cache()
+    prompt = list(range(3, 8))
+    assert decoder.acquire() is decoder.cache
+    engine.prefill(decoder.cache, prompt)
+    logits, _ = engine.prefill(plain, prompt)
+    token = int(logits[0, -1].argmax())
+    with torch.inference_mode():
+        for position in range(len(prompt), len(prompt) + 12):  # buckets 8 and 16
+            fixed = decoder.step(token)
+            ordinary = engine.model(torch.tensor([[token]]), torch.tensor([position]), plain)
+            torch.testing.assert_close(fixed, ordinary, atol=1e-5, rtol=1e-5)
+            token = int(ordinary[0, -1].argmax())
+    for fixed_layer, plain_layer in zip(decoder.cache.layers, plain.layers, strict=True):
+        assert torch.equal(fixed_layer.k[:, :, :plain_layer.length], plain_layer.k[:, :, :plain_layer.length])
+        assert torch.equal(fixed_layer.v_scale[:, :, :plain_layer.length],
+                           plain_layer.v_scale[:, :, :plain_layer.length])

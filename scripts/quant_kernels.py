@@ -1,0 +1,77 @@
+"""The kernels that could read int8 weights on this machine, against floating ones and a plain read (issue 17).
+
+    flock /tmp/kvbook-heavy.lock .venv/bin/python scripts/quant_kernels.py [--json]
+
+Best of 10 calls each (after one warm-up), in GB/s of weight bytes read (the int8 matrix: 1 byte per weight):
+torch's int8 weight-only kernel with bfloat16, float16 and float32 rows, 1 and 8 rows, over a 32768 x 4096 matrix;
+the floating matrix-vector products over the same shape; a plain read (sum over 1 GiB of float32); and for
+prefill, a 256-row product against 4096 x 11008 as a bfloat16 matrix product, through the int8 kernel, and the
+cost of dequantizing that matrix per call. Results go to BENCHMARKS.md ("int8")."""
+
+import json
+import sys
+import time
+
+import torch
+from torch.nn import functional as F
+
+
+def best_seconds(fn, repeats: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def main() -> dict:
+    rows, cols = 32768, 4096
+    results = {}
+    with torch.inference_mode():
+        data = torch.randn(2**28)  # 1 GiB of float32
+        results["plain read (sum of 1 GiB float32)"] = {"GB/s": data.nbytes / best_seconds(data.sum) / 1e9}
+        del data
+        q = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            scale = torch.rand(rows, dtype=dtype) * 0.01 + 0.001
+            for batch in (1, 8):
+                x = torch.randn(batch, cols, dtype=dtype)
+                seconds = best_seconds(lambda x=x, scale=scale: torch.ops.aten._weight_int8pack_mm(x, q, scale))
+                results[f"int8 weights, {dtype} rows x {batch}"] = {"GB/s": q.nbytes / seconds / 1e9,
+                                                                     "ms": seconds * 1e3}
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            weight = torch.randn(rows, cols, dtype=dtype)
+            for batch in (1, 8):
+                x = torch.randn(batch, cols, dtype=dtype)
+                seconds = best_seconds(lambda x=x, weight=weight: F.linear(x, weight))
+                results[f"{dtype} weights, rows x {batch}"] = {"GB/s": weight.nbytes / seconds / 1e9,
+                                                               "ms": seconds * 1e3}
+            del weight
+        # prefill: 256 rows against one MLP matrix
+        q = torch.randint(-127, 128, (11008, 4096), dtype=torch.int8)
+        scale = torch.rand(11008, dtype=torch.bfloat16) * 0.01
+        x = torch.randn(256, 4096, dtype=torch.bfloat16)
+        flops = 2 * 256 * 4096 * 11008
+        seconds = best_seconds(lambda: q.float().mul_(scale.float()[:, None]).to(torch.bfloat16), 3)
+        results["dequantize 11008 x 4096 int8 -> bfloat16"] = {"ms": seconds * 1e3}
+        for dtype in (torch.bfloat16, torch.float32):
+            weight = q.to(dtype)
+            seconds = best_seconds(lambda weight=weight: F.linear(x.to(weight.dtype), weight), 3)
+            results[f"prefill 256 x 4096 x 11008, {dtype} matrix product"] = {"GFLOP/s": flops / seconds / 1e9,
+                                                                               "ms": seconds * 1e3}
+        seconds = best_seconds(lambda: torch.ops.aten._weight_int8pack_mm(x, q, scale), 3)
+        results["prefill 256 x 4096 x 11008, int8 kernel, bfloat16 rows"] = {"GFLOP/s": flops / seconds / 1e9,
+                                                                             "ms": seconds * 1e3}
+    return results
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    table = main()
+    if "--json" in sys.argv:
+        print(json.dumps(table, indent=1))
+    else:
+        for name, values in table.items():
+            print(f"{name:58s}" + "  ".join(f"{value:9.2f} {unit}" for unit, value in values.items()))
