@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from kvbook.book import DecodeRecording, static_scrubber
+from kvbook.book import DecodeRecording, static_scrubber, token_label
 from kvbook.engine import Engine
 from kvbook.tokenizer import get_default_tokenizer
 from kvbook.trace import Tracer
@@ -82,6 +82,13 @@ def test_attention_rows_cover_every_cached_position_and_decode_to_the_recorded_w
             torch.testing.assert_close(row.float() / 255 * row_max, recorded_row, atol=tolerance, rtol=0)
             assert share == pytest.approx(float(recorded_row[:PROMPT_LEN].sum()), abs=5e-4)
             assert argmax == int(recorded_row.argmax())
+
+
+def test_token_label_shows_whitespace_and_names_padding_ids():
+    tokenizer = get_default_tokenizer()
+    assert token_label(tokenizer, tokenizer.encode("\n")[0]) == "'\\n'"
+    # the full-size model's 151,936 logits include padding rows past the vocabulary: no text, and no KeyError
+    assert token_label(tokenizer, 151935) == "(padding id: no text)"
 
 
 class HostileTokenizer:

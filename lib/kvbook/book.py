@@ -89,8 +89,17 @@ class DecodeRecording:
     def top_tokens(self, step: int, tokenizer, k: int = 5) -> pd.DataFrame:
         probs = torch.softmax(self.logits[step], dim=-1)
         values, ids = probs.topk(k)
-        return pd.DataFrame({"token_id": ids.tolist(), "text": [repr(tokenizer.token_text(i)) for i in ids.tolist()],
+        return pd.DataFrame({"token_id": ids.tolist(), "text": [token_label(tokenizer, i) for i in ids.tolist()],
                              "probability": [round(v, 4) for v in values.tolist()]})
+
+
+def token_label(tokenizer, token_id: int) -> str:
+    """A token's text as Python writes it ('\\n' visible), or a note for the ids past the tokenizer's vocabulary:
+    the model's 151,936 rows are padded beyond it, and random weights can rank those ids high too."""
+    try:
+        return repr(tokenizer.token_text(token_id))
+    except KeyError:
+        return "(padding id: no text)"
 
 
 # ---- plots ------------------------------------------------------------------------------------------------
@@ -156,23 +165,6 @@ def _draw_step(ax_attention, ax_cache, recording: DecodeRecording, step: int, la
     ax_cache.plot([step], [info["cache_len"]], "o", color="C3")
     ax_cache.set_xlabel("step")
     ax_cache.set_ylabel("cache length")
-
-
-def scrubber_animation(recording: DecodeRecording, layer: int = 0, head: int = 0, frames: int = 8):
-    """A self-contained HTML animation with a slider over decode steps (no kernel, no network): the rendered
-    book's scrubber. Few frames keep the notebook small."""
-    from IPython.display import HTML
-    from matplotlib.animation import FuncAnimation
-
-    all_steps = recording.steps["step"].tolist()
-    chosen = sorted({all_steps[round(i * (len(all_steps) - 1) / (frames - 1))] for i in range(frames)})
-    fig, (ax_attention, ax_cache) = plt.subplots(1, 2, figsize=(7.2, 2.6), gridspec_kw={"width_ratios": [3, 1]})
-    animation = FuncAnimation(fig, lambda i: _draw_step(ax_attention, ax_cache, recording, chosen[i], layer, head),
-                              frames=len(chosen), interval=700)
-    fig.tight_layout()
-    html = _offline_jshtml(animation)
-    plt.close(fig)
-    return HTML(html)
 
 
 def _offline_jshtml(animation) -> str:
@@ -288,7 +280,7 @@ def _scrubber_data(recording: DecodeRecording, tokenizer, heads, top_k: int) -> 
     top = []
     for step in steps:
         probs, ids = torch.softmax(recording.logits[step], dim=-1).topk(top_k)
-        top.append([[token_id, repr(tokenizer.token_text(token_id)), float(f"{p:.3g}")]
+        top.append([[token_id, token_label(tokenizer, token_id), float(f"{p:.3g}")]
                     for token_id, p in zip(ids.tolist(), probs.tolist(), strict=True)])
     views = []
     for layer, head in heads:
