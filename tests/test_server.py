@@ -118,6 +118,9 @@ def text_of(ids):
     ({"model": MODEL, "messages": HELLO, "temperature": -1}, 400, "temperature = -1 is too small"),
     ({"model": MODEL, "messages": HELLO, "top_p": 0}, 400, "top_p = 0 is too small"),
     ({"model": MODEL, "messages": HELLO, "stop": [""]}, 400, "stop must be"),
+    ({"model": MODEL, "messages": HELLO, "seed": 2**70}, 400, "seed = 1180591620717411303424 is too large"),
+    ({"model": MODEL, "messages": HELLO, "stream": "yes"}, 400, "stream must be true or false, got 'yes'"),
+    ({"model": MODEL, "messages": HELLO, "stop": ["a"] * 5}, 400, "stop must be a non-empty string or a list of up"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_working(server, body, status, fragment):
     response = post(server, body)

@@ -93,7 +93,8 @@ class ChatCompletionRequest(BaseModel):
         None, description="0 = greedy (default 1)")
     top_p: Annotated[float | None, Field(strict=True, gt=0, le=1)] = Field(
         None, description="nucleus sampling (default 1)")
-    seed: Annotated[int | None, Field(strict=True)] = Field(None, description="seed of this request's sampler")
+    seed: Annotated[int | None, Field(strict=True, ge=-2**63, le=2**63 - 1)] = Field(
+        None, description="seed of this request's sampler (a 64-bit integer)")
     stop: Annotated[StopString | Annotated[list[StopString], Field(max_length=4)] | None,
                     _must_be("a non-empty string or a list of up to 4 of them")] = None
     stream: Annotated[bool | None, Field(strict=True)] = False

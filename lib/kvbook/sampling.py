@@ -13,11 +13,15 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
         # float16 -> float32 is exact, so the same token; on the CPU float16 argmax is not vectorized (0.65 ms
         # over 151936 logits, against 0.09 ms for the cast and a float32 argmax)
         return int(torch.argmax(logits.float()))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [vocab]
+    scaled = logits.float() / temperature
+    if not torch.isfinite(scaled).all():  # a temperature so close to 0 that the logits overflow: its limit, greedy
+        return int(torch.argmax(logits.float()))
+    probs = torch.softmax(scaled, dim=-1)  # [vocab]
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest set of most likely tokens whose mass reaches top_p (the first one always)
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+        outside[0] = False  # also when top_p is below float32's smallest number and compares as 0
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -45,6 +45,7 @@ from urllib.parse import urlparse
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -460,6 +461,20 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None, record_timeli
             yield chunk(Delta(), usage=run.usage())
         yield "data: [DONE]\n\n"
 
+    def openapi() -> dict:
+        """FastAPI's schema without its 422 answers: validation errors are answered 400 (ErrorResponse) here."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            for route in schema["paths"].values():
+                for operation in route.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
