@@ -112,6 +112,7 @@ def text_of(ids):
      "messages[0].content must be a string or a non-empty list of text parts"),
     ({"model": MODEL, "messages": HELLO, "max_tokens": 0}, 400, "max_tokens = 0 is too small"),
     ({"model": MODEL, "messages": HELLO, "max_tokens": "5"}, 400, "max_tokens must be an integer"),
+    ({"model": MODEL, "messages": HELLO, "max_completion_tokens": 0}, 400, "max_completion_tokens = 0 is too small"),
     ({"model": MODEL, "messages": HELLO, "max_tokens": 10000}, 400, "new tokens need 10022 positions"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 300}]}, 400,
      "the prompt has 309 tokens; this server holds at most 256 positions"),
@@ -234,6 +235,13 @@ def test_logs_show_each_layers_cache_growing(server, caplog):
         str([prompt + i, prompt + i]) for i in (1, 2, 3)]
     summary = [r.getMessage() for r in caplog.records if " done " in r.getMessage()][-1]
     assert f"prompt_tokens {prompt} completion_tokens 4" in summary and "TTFT" in summary and "TPOT" in summary
+
+
+def test_max_completion_tokens_is_max_tokens_newer_name(server):
+    body = {"model": MODEL, "messages": HELLO, "ignore_eos": True}
+    assert post(server, {**body, "max_completion_tokens": 3}).json()["usage"]["completion_tokens"] == 3
+    both = post(server, {**body, "max_completion_tokens": 2, "max_tokens": 5}).json()
+    assert both["usage"]["completion_tokens"] == 2
 
 
 def test_stop_strings_end_the_reply_before_them(server, engine):

@@ -89,6 +89,8 @@ class ChatCompletionRequest(BaseModel):
                         _non_empty_list(MESSAGES)]
     max_tokens: Annotated[int | None, Field(strict=True, ge=1)] = Field(
         None, description="new tokens at most (default: [inference] output_len)")
+    max_completion_tokens: Annotated[int | None, Field(strict=True, ge=1)] = Field(
+        None, description="OpenAI's newer name for max_tokens; wins when both are sent")
     temperature: Annotated[float | None, Field(strict=True, ge=0, le=2)] = Field(
         None, description="0 = greedy (default 1)")
     top_p: Annotated[float | None, Field(strict=True, gt=0, le=1)] = Field(
@@ -101,6 +103,10 @@ class ChatCompletionRequest(BaseModel):
     stream_options: Annotated[StreamOptions | None, _must_be("an object like {\"include_usage\": true}")] = None
     ignore_eos: Annotated[bool | None, Field(strict=True)] = Field(
         False, description="vLLM's extension: always produce max_tokens tokens")
+
+    @property
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def stop_strings(self) -> list[str]:

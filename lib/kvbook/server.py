@@ -155,7 +155,7 @@ class Sampling:
 
     @classmethod
     def of(cls, body: ChatCompletionRequest, default_max_tokens: int) -> Sampling:
-        return cls(body.max_tokens or default_max_tokens,
+        return cls(body.new_tokens or default_max_tokens,
                    1.0 if body.temperature is None else body.temperature,
                    1.0 if body.top_p is None else body.top_p, body.seed, bool(body.ignore_eos),
                    tuple(body.stop_strings))
