@@ -2,7 +2,10 @@
 with exactly the tokens it gets alone; admission by the pool's free blocks; aborts free at once."""
 
 import pytest
+import torch
+from kvbook.device import TORCH_DTYPES
 from kvbook.engine import Engine
+from kvbook.paths import fixed_paths, invariant_row_multiple
 from kvbook.scheduler import Scheduler
 
 from .conftest import small_config
@@ -11,10 +14,10 @@ PROMPTS = [list(range(1000, 1012)), list(range(2000, 2031)), [9707], list(range(
            list(range(4000, 4040))]
 
 
-def make_engine(dtype="float32", max_cache_len=128, **kv_options):
+def make_engine(dtype="float32", max_cache_len=128, paths=None, **kv_options):
     cfg = small_config(vocab=151936, max_cache_len=max_cache_len, dtype=dtype).replace(
         kv_cache={"layout": "paged", **kv_options})
-    return Engine(cfg, progress=False)
+    return Engine(cfg, progress=False, paths=paths)
 
 
 def alone(engine, prompt, n, **options):
@@ -44,20 +47,27 @@ def test_late_arrivals_join_the_running_batch_and_get_the_tokens_they_get_alone(
     assert engine.pool.used_blocks == 0
 
 
-def test_float16_on_cpu_batched_rows_are_bitwise_what_they_are_alone(weight_cache):
-    # float16 weights on a CPU: batched steps compute in bfloat16, a single sequence too (as two rows)
-    engine = make_engine(dtype="float16")
+@pytest.mark.parametrize("batched", ["measured", "float16", "bfloat16", "float32"])
+def test_float16_on_cpu_batched_rows_are_bitwise_what_they_are_alone(weight_cache, batched):
+    # float16 weights: batched steps compute in the dtype this machine measured fastest (kvbook.paths), or in
+    # the one another machine would take; a sequence alone in the scheduler gets the same numbers (as two rows)
+    paths = None
+    if batched != "measured":
+        cfg = make_engine(dtype="float16").config
+        multiple, _ = invariant_row_multiple(cfg, TORCH_DTYPES[batched], torch.device("cpu"), 8)
+        paths = fixed_paths(torch.bfloat16, torch.float16, TORCH_DTYPES[batched], batch_row_multiple=multiple)
+    engine = make_engine(dtype="float16", paths=paths)
     scheduler = Scheduler(engine, max_num_seqs=8)
-    assert scheduler.decode_dtype != engine.dtype
+    assert scheduler.decode_dtype == engine.batch_dtype
     seqs = [scheduler.add(p, 10, ignore_eos=True) for p in PROMPTS]
     scheduler.run_until_done()
     assert [s.output_ids for s in seqs] == [alone(engine, p, 10, ignore_eos=True) for p in PROMPTS]
 
 
-def test_one_sequence_at_a_time_decodes_in_the_weights_dtype_like_engine_stream(weight_cache):
+def test_one_sequence_at_a_time_decodes_in_the_lone_steps_dtype_like_engine_stream(weight_cache):
     engine = make_engine(dtype="float16")
     scheduler = Scheduler(engine, max_num_seqs=1, record_timeline=True)
-    assert scheduler.decode_dtype == engine.dtype
+    assert scheduler.decode_dtype == engine.decode_dtype
     seqs = [scheduler.add(p, 6, ignore_eos=True) for p in PROMPTS[:2]]
     scheduler.run_until_done()
     assert all(len(step.seq_ids) == 1 for step in scheduler.timeline)
@@ -115,19 +125,24 @@ def test_a_bad_request_is_refused_when_added(weight_cache):
     assert not scheduler.has_work
 
 
-def test_a_bfloat16_row_computes_the_same_alone_as_in_a_batch():
-    # at real widths this CPU's bfloat16 kernel for one row rounds differently from the one for several rows;
-    # kvbook.linear computes a lone row as two, so a sequence's decode step does not depend on the batch
-    import torch
-    from kvbook.linear import Linear
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_row_computes_the_same_alone_as_in_a_batch(dtype):
+    # at real widths a CPU's kernel for one row may round differently from the one for several rows; inside
+    # batch_invariant_rows kvbook.linear pads rows to the multiple kvbook.paths measures for the dtype, so a
+    # decode step does not depend on the batch
+    from kvbook.linear import Linear, batch_invariant_rows
 
     torch.manual_seed(0)
     layer = Linear(4096, 1024, dtype=torch.float16)
     layer.weight.data = (torch.randn(1024, 4096) * 0.02).half()
-    layer.prefill_weight = layer.weight.to(torch.bfloat16)
-    x = torch.randn(8, 1, 4096).bfloat16()  # [B, 1, hidden]: one decode position per sequence
-    batched = layer(x)
-    assert all(torch.equal(batched[b:b + 1], layer(x[b:b + 1])) for b in range(8))
+    layer.copies[dtype] = layer.weight.to(dtype)
+    x = torch.randn(8, 1, 4096).to(dtype)  # [B, 1, hidden]: one decode position per sequence
+    cfg = small_config(hidden=4096, heads=32, head_dim=128, kv_heads=32).replace(model={"intermediate_size": 4096})
+    multiple, _ = invariant_row_multiple(cfg, dtype, torch.device("cpu"), 8)
+    with batch_invariant_rows(multiple):
+        batched = layer(x)
+        assert all(torch.equal(batched[b:b + 1], layer(x[b:b + 1])) for b in range(8))
+        assert all(torch.equal(batched[:b], layer(x[:b])) for b in range(1, 8))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])

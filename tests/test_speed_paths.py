@@ -1,62 +1,149 @@
-"""The CPU speed paths: a bfloat16 prefill copy of the layers' matrices and down_proj stored as column blocks.
-They change how the arithmetic is done, not what is computed: checked against the plain float16/float32 path."""
+"""The speed paths (kvbook.paths, kvbook.linear): each phase's arithmetic dtype, measured once per machine and
+cached; copies of the weights in that dtype; always-2-D inputs; down_proj as column blocks. They change how the
+arithmetic is done, not what is computed: checked against the plain float16/float32 path."""
 
+import json
+
+import pytest
 import torch
-from kvbook.device import resolve_prefill_dtype
 from kvbook.engine import Engine
-from kvbook.linear import Linear, split_long_inputs
+from kvbook.linear import Linear, add_copies, split_long_inputs, weight_bytes_kept
+from kvbook.paths import (
+    PHASES,
+    candidates,
+    choose_paths,
+    cpu_identity,
+    fixed_paths,
+    matrix_groups,
+    paths_cache_dir,
+)
 from kvbook.weights import load_random_weights, prefill_weight_names, random_weights_path, wait_for_saves
 
 from .conftest import small_config
 
 PROMPT = list(range(3, 15))
+CPU = torch.device("cpu")
 
 
-def test_prefill_dtype_auto_is_bfloat16_only_for_float16_on_cpu():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert resolve_prefill_dtype("auto", "float16", cpu) == torch.bfloat16
-    assert resolve_prefill_dtype("auto", "float16", cuda) == torch.float16
-    assert resolve_prefill_dtype("auto", "float32", cpu) == torch.float32
-    assert resolve_prefill_dtype("float16", "float16", cpu) == torch.float16
+def test_candidates_hold_the_weights_values():
+    assert candidates(torch.float16) == [torch.float16, torch.bfloat16, torch.float32]
+    assert candidates(torch.bfloat16) == [torch.bfloat16, torch.float32]
+    assert candidates(torch.float32) == [torch.float32]  # no lower precision for float32 weights
 
 
-def test_linear_uses_the_prefill_copy_for_its_dtype_and_the_weight_otherwise():
+def test_paths_are_measured_once_per_machine_and_cached(weight_cache):
+    cfg = small_config(dtype="float16")
+    first = choose_paths(cfg, CPU)
+    assert first.source == "measured" and first.measured_s > 0
+    for phase in PHASES:
+        path = getattr(first, phase)
+        assert path.dtype in candidates(torch.float16)
+        assert set(path.estimated_ms) == {"float16", "bfloat16", "float32"}
+        assert min(path.estimated_ms, key=path.estimated_ms.get) == str(path.dtype).removeprefix("torch.")
+        assert path.reason.startswith("measured")
+    files = list(paths_cache_dir().iterdir())
+    assert len(files) == 1 and json.loads(files[0].read_text())["machine"] == cpu_identity()
+    again = choose_paths(cfg, CPU)
+    assert again.source == "cached" and again.to_json() | {"source": "measured", "measured_s": 0} == \
+        first.to_json() | {"source": "measured", "measured_s": 0}
+    assert len(first.describe()) == 5 and first.describe()[1].startswith("decode: ")
+
+
+def test_float32_weights_and_gpus_are_not_measured(weight_cache):
+    paths = choose_paths(small_config(dtype="float32"), CPU)
+    assert paths.source == "capability" and paths.dtypes() == {torch.float32}
+    gpu = choose_paths(small_config(dtype="float16"), torch.device("cuda", 0))
+    assert gpu.source == "capability" and gpu.dtypes() == {torch.float16}
+    assert not paths_cache_dir().exists()
+
+
+def test_prefill_dtype_pins_prefill(weight_cache):
+    cfg = small_config(dtype="float16").replace(inference={"prefill_dtype": "float32"})
+    paths = choose_paths(cfg, CPU)
+    assert paths.prefill.dtype == torch.float32 and "pinned" in paths.prefill.reason
+
+
+def test_matrix_groups_count_every_parameter_of_a_step():
+    cfg = small_config(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=1000)
+    m = cfg.model
+    layer = (4 * 16 + 2 * 2 * 16 + 2 * 128) * 64 + 64 * 64 + 64 * 128  # q, k, v, gate, up; o; down
+    assert sum(p for _, p in matrix_groups(cfg, lm_head=False)) == 2 * layer
+    assert sum(p for _, p in matrix_groups(cfg, lm_head=True)) == 2 * layer + m.vocab_size * m.hidden_size
+    full = small_config(layers=3, hidden=4096, heads=32, kv_heads=32, head_dim=128, vocab=151936).replace(
+        model={"intermediate_size": 11008})
+    assert sorted(w for (_, w), _ in matrix_groups(full, lm_head=True)) == [4096, 11008]  # o_proj is 4096 wide
+
+
+def test_linear_uses_the_copy_in_the_inputs_dtype_and_the_weight_otherwise():
     layer = Linear(8, 4, dtype=torch.float16)
     torch.nn.init.normal_(layer.weight)
-    layer.prefill_weight = torch.zeros(4, 8, dtype=torch.bfloat16)  # a copy that is easy to recognise
+    layer.copies[torch.bfloat16] = torch.zeros(4, 8, dtype=torch.bfloat16)  # a copy that is easy to recognise
     x = torch.ones(1, 8)
     assert torch.count_nonzero(layer(x.bfloat16())) == 0
     assert layer(x.half()).dtype == torch.float16 and torch.count_nonzero(layer(x.half())) > 0
     assert layer(x).dtype == torch.float16  # other dtypes are cast to the weight's
+    layer.row_dtype = torch.bfloat16  # lm_head: a lone row computes in the decode dtype
+    assert torch.count_nonzero(layer(x.half())) == 0 and torch.count_nonzero(layer(x.half().repeat(2, 1))) > 0
+
+
+def test_linear_gives_f_linear_a_2d_input(monkeypatch):
+    shapes = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr("kvbook.linear.F.linear", lambda x, w: shapes.append(tuple(x.shape)) or real(x, w))
+    layer = Linear(8, 4)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(2, 3, 8)
+    out = layer(x)
+    assert out.shape == (2, 3, 4) and shapes == [(6, 8)]
+    torch.testing.assert_close(out, real(x, layer.weight))
+    assert layer(torch.randn(1, 1, 8)).shape == (1, 1, 4) and shapes[-1] == (1, 8)  # lm_head's last position
 
 
 def test_weight_blocks_compute_the_same_product():
     layer = Linear(20000, 16, dtype=torch.float32)
     torch.nn.init.normal_(layer.weight)
-    x = torch.randn(3, 20000)
+    x = torch.randn(1, 20000)
     plain = layer(x)
     layer.split_input()
-    assert len(layer.weight_blocks) == 3 and all(b.is_contiguous() for b in layer.weight_blocks)
+    blocks = layer.blocks[torch.float32]
+    assert len(blocks) == 3 and all(b.is_contiguous() for b in blocks)
     torch.testing.assert_close(layer(x), plain, atol=1e-3, rtol=1e-4)  # sums of 20000 terms of size ~1
     small = Linear(64, 16)
     split_long_inputs(torch.nn.Sequential(small))
-    assert small.weight_blocks is None  # only wide inputs are split
+    assert small.blocks == {}  # only wide inputs are split
 
 
-def test_float16_engine_on_cpu_prefills_in_bfloat16_and_matches_float16_prefill(weight_cache):
-    fast = Engine(small_config(dtype="float16"), progress=False)
-    plain = Engine(small_config(dtype="float16").replace(inference={"prefill_dtype": "float16"}), progress=False)
-    assert fast.prefill_dtype == torch.bfloat16 and plain.prefill_dtype == torch.float16
+def test_copies_are_counted_once_in_the_bytes_kept():
+    model = torch.nn.Sequential(Linear(64, 32, dtype=torch.float16), Linear(32, 64, dtype=torch.float16))
+    for m in model:
+        torch.nn.init.normal_(m.weight)
+    values = 2 * 64 * 32 * 2
+    assert weight_bytes_kept(model) == values
+    add_copies(model, torch.float32)
+    add_copies(model, torch.float32)  # idempotent
+    assert weight_bytes_kept(model) == values + 2 * 64 * 32 * 4
+    assert all(torch.equal(m.copies[torch.float32].half(), m.weight) for m in model)  # float32 is exact
+
+
+@pytest.mark.parametrize("prefill,decode", [(torch.bfloat16, torch.float16), (torch.float32, torch.float32),
+                                            (torch.float16, torch.bfloat16)])
+def test_every_path_computes_the_float16_model(weight_cache, prefill, decode):
+    cfg = small_config(dtype="float16")
+    fast = Engine(cfg, progress=False, paths=fixed_paths(prefill, decode, decode))
+    plain = Engine(cfg, progress=False, paths=fixed_paths(torch.float16, torch.float16, torch.float16))
+    assert fast.prefill_dtype == prefill and fast.decode_dtype == decode
     q_proj = fast.model.model.layers[0].self_attn.q_proj
-    assert q_proj.prefill_weight.dtype == torch.bfloat16
-    torch.testing.assert_close(q_proj.prefill_weight.half(), q_proj.weight, atol=2e-3, rtol=1e-2)
-    assert fast.model.lm_head.prefill_weight is None  # one position: read, not computed
+    assert q_proj.weight.dtype == torch.float16  # the values stay the article's
+    assert q_proj.weight_in(prefill) is not None and q_proj.weight_in(decode) is not None
+    assert fast.model.lm_head.weight_in(decode) is not None and fast.model.lm_head.row_dtype == decode
+    assert fast.describe_paths()["weight_bytes_kept"] >= plain.describe_paths()["weight_bytes_kept"]
+    a, b = fast.generate(PROMPT, 4, ignore_eos=True), plain.generate(PROMPT, 4, ignore_eos=True)
+    assert a.output_ids[0] == b.output_ids[0]  # small random model: clear margins at the first token
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
-        a = fast.model(ids, torch.arange(12), fast.new_cache(), compute_dtype=torch.bfloat16).float()
-        b = plain.model(ids, torch.arange(12), plain.new_cache()).float()
-    assert (a - b).abs().max() < 0.02 * b.abs().max()  # bfloat16 keeps 8 bits of mantissa
-    assert a.argmax() == b.argmax()
+        x = fast.model(ids, torch.arange(12), fast.new_cache(), compute_dtype=prefill).float()
+        y = plain.model(ids, torch.arange(12), plain.new_cache()).float()
+    assert (x - y).abs().max() < 0.02 * y.abs().max()  # bfloat16 keeps 8 bits of mantissa
 
 
 def test_prefill_copy_is_cached_and_reloaded(weight_cache):

@@ -26,12 +26,3 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
-def resolve_prefill_dtype(prefill_dtype: str, dtype: str, device: torch.device) -> torch.dtype:
-    """[inference] prefill_dtype "auto": bfloat16 for float16 weights on a CPU, whose float16 matrix products
-    are ~8x slower than bfloat16 ones (kvbook.linear); the weights' own dtype everywhere else."""
-    if prefill_dtype != "auto":
-        return TORCH_DTYPES[prefill_dtype]
-    if device.type == "cpu" and dtype == "float16":
-        return torch.bfloat16
-    return TORCH_DTYPES[dtype]

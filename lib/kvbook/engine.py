@@ -18,11 +18,12 @@ import torch
 
 from . import cuda_graph, quant
 from .config import Config
-from .device import TORCH_DTYPES, resolve_device, resolve_prefill_dtype, synchronize
+from .device import TORCH_DTYPES, resolve_device, synchronize
 from .kv_cache import CacheFullError, KVCache
-from .linear import Linear, split_long_inputs
+from .linear import add_copies, split_long_inputs, weight_bytes_kept
 from .model import Qwen3ForCausalLM
 from .paged_cache import BlockPool, PagedKVCache
+from .paths import ComputePaths, choose_paths
 from .sampling import sample_next
 from .tokenizer import EOS_IDS
 from .weights import (
@@ -87,15 +88,17 @@ def make_step(index: int, phase: str, token: int, ms: float, cache, positions_co
 class Engine:
     """Holds the model on its device and runs prefill + decode for one sequence at a time."""
 
-    def __init__(self, config: Config, model: Qwen3ForCausalLM | None = None, progress: bool = True):
+    def __init__(self, config: Config, model: Qwen3ForCausalLM | None = None, progress: bool = True,
+                 paths: ComputePaths | None = None):
+        """paths: the arithmetic dtype of each phase; by default measured once per machine (kvbook.paths)."""
         self.device = resolve_device(config.inference.device)
         self.dtype = TORCH_DTYPES[config.inference.dtype]
-        self.prefill_dtype = resolve_prefill_dtype(config.inference.prefill_dtype, config.inference.dtype,
-                                                   self.device)
-        # a decode step of several sequences is a matrix product too: it computes like prefill (kvbook.linear)
-        self.batch_dtype = self.prefill_dtype
-        self.prefix_caching = config.kv_cache.prefix_caching
         started = time.perf_counter()
+        self.paths = paths or choose_paths(config, self.device)
+        self.prefill_dtype = self.paths.prefill.dtype
+        self.decode_dtype = self.paths.decode.dtype  # a lone sequence's decode step
+        self.batch_dtype = self.paths.batched_decode.dtype  # a decode step of the scheduler (kvbook.scheduler)
+        self.prefix_caching = config.kv_cache.prefix_caching
         separate_prefill = self.prefill_dtype != self.dtype
         drawn = model is None  # random weights, from the weight cache (kvbook.weights)
         if model is None:
@@ -110,8 +113,11 @@ class Engine:
         quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
         if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.quant)
             quant.quantize_model(model, self.device, self.dtype, drawn_from=config.model if drawn else None)
-        elif self.device.type == "cpu" and self.dtype == torch.float16:
-            split_long_inputs(model)
+        else:
+            add_copies(model, self.decode_dtype)  # every matrix, lm_head too
+            model.lm_head.row_dtype = self.decode_dtype  # prefill's last position is one row too
+            if self.paths.split_wide_rows:
+                split_long_inputs(model, self.decode_dtype)
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config
@@ -159,10 +165,14 @@ class Engine:
         return logits, reused
 
     def prepare_batched_decode(self) -> None:
-        """Give lm_head a batch_dtype copy too (the layers have theirs for prefill)."""
-        lm_head = self.model.lm_head  # an int8 one reads its int8 weights for a few rows (kvbook.quant)
-        if self.batch_dtype != self.dtype and lm_head.prefill_weight is None and isinstance(lm_head, Linear):
-            lm_head.prefill_weight = lm_head.weight.to(self.batch_dtype)
+        """Give every matrix a batch_dtype copy, made when a scheduler that batches first needs it (an int8
+        model reads its int8 weights for a few rows, kvbook.quant)."""
+        add_copies(self.model, self.batch_dtype)
+
+    def describe_paths(self) -> dict:
+        """Which arithmetic each phase runs and why, and the bytes kept for the weights (JSON-ready)."""
+        return {**self.paths.to_json(), "weight_bytes_kept": weight_bytes_kept(self.model),
+                "weight_bytes_values": sum(p.nbytes for p in self.model.parameters())}
 
     def sampling_generator(self, temperature: float, top_p: float, seed: int | None) -> torch.Generator | None:
         """Check the sampling options -> the sequence's own seeded generator (None for greedy decoding)."""
@@ -234,7 +244,7 @@ class Engine:
                     if cache is None:  # no cache: compute every position so far, again
                         ids, first, compute_dtype = tokens, 0, self.prefill_dtype  # 256 + index positions
                     else:  # decode: only the token generated last, at the next position
-                        ids, first, compute_dtype = tokens[-1:], len(tokens) - 1, self.dtype
+                        ids, first, compute_dtype = tokens[-1:], len(tokens) - 1, self.decode_dtype
                     if self.decoder is not None and cache is self.decoder.cache:
                         logits = self.decoder.step(tokens[-1])  # the same step, replayed from a CUDA graph
                     else:
@@ -262,8 +272,7 @@ class Engine:
         token of every unfinished sequence together, input [B, 1]: each weight is read once for B tokens. A
         sequence leaves the batch when it stops (EOS or max_new_tokens). Each Step's ms is the whole pass.
 
-        On a CPU a decode step of several sequences computes in batch_dtype (bfloat16): float16 matrix products
-        of several rows are ~8x slower there (kvbook.linear); lm_head gets a bfloat16 copy for it."""
+        A decode step of several sequences computes in batch_dtype, measured for this machine (kvbook.paths)."""
         from .scheduler import Scheduler
 
         scheduler = Scheduler(self, max_num_seqs=len(prompts))

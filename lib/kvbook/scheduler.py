@@ -12,13 +12,15 @@ prefill_chunk positions per pass, and a decode step of the running sequences run
 prompt no longer stalls everyone's next token for its whole prefill. Its first token comes after the last chunk.
 
 A sequence's tokens do not depend on its neighbours: each row of a decode step attends to its own cache, and
-the step computes in one dtype whatever the batch size (Engine.batch_dtype; bfloat16 on a CPU with float16
-weights, see kvbook.linear). With max_num_seqs = 1 there is never a batch and decode runs in the weights'
-dtype, as Engine.stream does. Explained in chapter 11 ("Tuning the service").
+the step computes in one dtype whatever the batch size (Engine.batch_dtype, measured for the machine by
+kvbook.paths), and its rows are padded as kvbook.paths measured (kvbook.linear.batch_invariant_rows). With
+max_num_seqs = 1 there is never a batch and decode runs in the lone step's dtype (Engine.decode_dtype), as
+Engine.stream does. Explained in chapter 11 ("Tuning the service").
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .engine import Engine, Generation, Step, make_step
+from .linear import batch_invariant_rows
 from .paged_cache import PagedKVCache
 from .sampling import sample_next
 from .tokenizer import EOS_IDS
@@ -87,8 +90,8 @@ class Scheduler:
         self.engine = engine
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
-        self.decode_dtype = engine.batch_dtype if max_num_seqs > 1 else engine.dtype
-        if self.decode_dtype != engine.dtype:
+        self.decode_dtype = engine.batch_dtype if max_num_seqs > 1 else engine.decode_dtype  # kvbook.paths
+        if max_num_seqs > 1:
             engine.prepare_batched_decode()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -178,7 +181,10 @@ class Scheduler:
         device = self.engine.device
         ids = torch.tensor([[seq.steps[-1].token_id] for seq in batch], device=device)  # [B, 1]
         positions = torch.tensor([seq.cache.length for seq in batch], device=device)  # [B]
-        with torch.inference_mode():
+        # rows padded as kvbook.paths measured, so that a row's numbers do not depend on its neighbours
+        invariant = batch_invariant_rows(self.engine.paths.batch_row_multiple) if self.max_num_seqs > 1 \
+            else contextlib.nullcontext()
+        with torch.inference_mode(), invariant:
             logits = self.engine.model(ids, positions, [seq.cache for seq in batch],
                                        compute_dtype=self.decode_dtype)  # [B, 1, vocab]
         return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator) for b, seq in enumerate(batch)]

@@ -1,0 +1,363 @@
+"""Which dtype each phase computes in: prefill, a lone decode step and a batched decode step.
+
+The weights' values are the article's float16 and stay so. The arithmetic need not be: a CPU may multiply
+bfloat16 or float32 copies of the same values faster than float16 ones, and which one wins depends on the CPU
+(its vector instructions, oneDNN's kernels for them) and on the phase. Prefill is a matrix product of the prompt's
+T rows by every layer matrix (limited by arithmetic); a lone decode step is a matrix-vector product (limited by
+how fast the weights stream); a batched step is a product of a few rows. So the engine does not hard-code one
+CPU's answer: on a CPU it times each candidate dtype once on the model's own matrix shapes, keeps the fastest per
+phase, and caches the choice beside the weights (keyed by the CPU model, its instruction set as torch sees it,
+torch's version and thread count, and the shapes). On a GPU the choice is by capability: the weights' dtype, which
+tensor cores run natively. A float32 copy holds the float16 values exactly; a bfloat16 copy rounds them to 8 bits
+of mantissa (a numeric choice, stated wherever the path is printed). Copies cost memory, counted by the bench.
+
+[inference] prefill_dtype pins prefill's dtype ("auto" = measured). Chapter 7 ("Latency") shows the choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from .config import Config
+from .device import TORCH_DTYPES, synchronize
+
+PHASES = ("prefill", "decode", "batched_decode")
+PATHS_VERSION = 1  # bump when what is measured changes, so old choices are measured again
+TIMED_ROWS_MAX = 16384  # a timed matrix has at most this many output rows (128 MiB in float16 at 4096 wide)
+PREFILL_ROWS_MAX = 64  # prefill is timed on at most this many prompt rows: the same kernels, sooner known
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def candidates(weight_dtype: torch.dtype) -> list[torch.dtype]:
+    """Arithmetic dtypes that hold the weights' values well enough: the weights' own, float32 (exact), and for
+    float16 weights bfloat16 (8 bits of mantissa instead of 11)."""
+    if weight_dtype == torch.float16:
+        return [torch.float16, torch.bfloat16, torch.float32]
+    if weight_dtype == torch.bfloat16:
+        return [torch.bfloat16, torch.float32]
+    return [weight_dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class PhasePath:
+    """One phase's arithmetic: its dtype, why, and the estimate per candidate that decided it."""
+
+    dtype: torch.dtype
+    reason: str
+    estimated_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # dtype name -> the phase's matrices
+
+    def to_json(self) -> dict:
+        return {"dtype": dtype_name(self.dtype), "reason": self.reason, "estimated_ms": self.estimated_ms}
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputePaths:
+    prefill: PhasePath
+    decode: PhasePath
+    batched_decode: PhasePath
+    source: str  # "measured", "cached", "capability" or "fixed"
+    measured_s: float = 0.0  # time the measurement took (0 when read from the cache)
+    split_wide_rows: bool = False  # a lone row reads down_proj as column blocks (kvbook.linear)
+    split_reason: str = "not measured"
+    batch_row_multiple: int = 1  # batched rows padded to a multiple of this (kvbook.linear.batch_invariant_rows)
+    batch_row_reason: str = "not measured"
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "measured_s": round(self.measured_s, 3),
+                **{phase: getattr(self, phase).to_json() for phase in PHASES},
+                "split_wide_rows": self.split_wide_rows, "split_reason": self.split_reason,
+                "batch_row_multiple": self.batch_row_multiple, "batch_row_reason": self.batch_row_reason}
+
+    def describe(self) -> list[str]:
+        """One line per phase: 'decode: float32 (measured, one row ...: float32 61.0 ms, float16 75.2 ms)'."""
+        return [f"{phase}: {dtype_name(getattr(self, phase).dtype)} ({getattr(self, phase).reason})"
+                for phase in PHASES] + [f"down_proj as column blocks for one row: "
+                                        f"{'yes' if self.split_wide_rows else 'no'} ({self.split_reason})",
+                                        f"batched rows padded to a multiple of {self.batch_row_multiple} "
+                                        f"({self.batch_row_reason})"]
+
+    def dtypes(self) -> set[torch.dtype]:
+        return {getattr(self, phase).dtype for phase in PHASES}
+
+
+def fixed_paths(prefill: torch.dtype, decode: torch.dtype, batched: torch.dtype, reason: str = "fixed",
+                batch_row_multiple: int = 1) -> ComputePaths:
+    """Paths chosen by the caller (tests, or a machine where nothing needs measuring)."""
+    return ComputePaths(PhasePath(prefill, reason), PhasePath(decode, reason), PhasePath(batched, reason), "fixed",
+                        batch_row_multiple=batch_row_multiple, batch_row_reason=reason)
+
+
+# ---- what the machine is -----------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo (Linux) or the platform reports it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_identity() -> dict:
+    """What decides which kernels run: the CPU (model name, family and model numbers), the instruction set torch
+    dispatches to, torch's version and its thread count."""
+    family = model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu family") and not family:
+                family = line.split(":", 1)[1].strip()
+            elif line.startswith("model\t") and not model:
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return {"cpu": cpu_model(), "family": family, "model": model,
+            "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def paths_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvbook" / "paths"
+
+
+# ---- measuring ---------------------------------------------------------------------------------------------
+
+def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
+                repeats: int = 5, split: int = 0) -> float:
+    """Best seconds of F.linear([rows, in], [out, in]) in dtype; split > 0: the weight as column blocks of at
+    most `split` inputs, summed (kvbook.linear)."""
+    weight = torch.randn(out_features, in_features, device=device).to(dtype)
+    x = torch.randn(rows, in_features, device=device).to(dtype)
+    if split and in_features > split:
+        blocks = [b.contiguous() for b in weight.chunk(-(-in_features // split), dim=1)]
+        parts = x.split(blocks[0].shape[1], dim=1)
+        def run():
+            return sum(F.linear(p, b) for p, b in zip(parts, blocks, strict=True))
+    else:
+        def run():
+            return F.linear(x, weight)
+    best = float("inf")
+    for i in range(repeats + 1):  # the first is a warm-up
+        synchronize(device)
+        started = time.perf_counter()
+        run()
+        synchronize(device)
+        if i:
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def matrix_groups(config: Config, lm_head: bool) -> list[tuple[tuple[int, int], int]]:
+    """The weight matrices a forward pass multiplies by, grouped by input width: [((out, in) of one real matrix
+    of that width, parameters of the group)]. A matrix's rows are independent, so the group's time is the timed
+    matrix's time scaled by parameters."""
+    m = config.model
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    layers = m.num_hidden_layers
+    groups: dict[int, list] = {}
+
+    def add(shape: tuple[int, int], params: int) -> None:
+        if shape[1] in groups:  # o_proj's input is as wide as the hidden state in the article's shapes
+            groups[shape[1]][1] += params
+        else:
+            groups[shape[1]] = [shape, params]
+
+    add((m.intermediate_size, m.hidden_size), layers * (q + 2 * kv + 2 * m.intermediate_size) * m.hidden_size)
+    add((m.hidden_size, q), layers * m.hidden_size * q)
+    add((m.hidden_size, m.intermediate_size), layers * m.hidden_size * m.intermediate_size)
+    if lm_head:
+        add((m.vocab_size, m.hidden_size), m.vocab_size * m.hidden_size)
+    return [(tuple(shape), params) for shape, params in groups.values()]
+
+
+def estimate_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device, lm_head: bool,
+                repeats: int = 5) -> float:
+    """Milliseconds of every layer matrix (and lm_head) multiplied by `rows` rows, from one timed matrix per
+    input width (as many output rows as the model has at that width, at most TIMED_ROWS_MAX)."""
+    total = 0.0
+    for (_, width), params in matrix_groups(config, lm_head):
+        out = max(1, min(params // width, TIMED_ROWS_MAX))
+        total += time_linear(rows, out, width, dtype, device, repeats) * params / (out * width)
+    return total * 1e3
+
+
+def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Prefill's layer matrices for `rows` prompt rows, from one timed gate_proj (the products are limited by
+    arithmetic, whose rate hardly depends on the matrix's width)."""
+    m = config.model
+    params = sum(params for _, params in matrix_groups(config, lm_head=False))
+    out = max(1, min(params // m.hidden_size, m.intermediate_size))
+    seconds = time_linear(rows, out, m.hidden_size, dtype, device, repeats=2)
+    return seconds * params / (out * m.hidden_size) * 1e3
+
+
+def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device) -> tuple[float, float] | None:
+    """One row through down_proj's shape, as one matrix and as column blocks (kvbook.linear.SPLIT_WIDTH wide):
+    (plain ms, split ms), or None when no matrix is that wide."""
+    from .linear import SPLIT_WIDTH
+
+    m = config.model
+    if m.intermediate_size <= SPLIT_WIDTH:
+        return None
+    plain = time_linear(1, m.hidden_size, m.intermediate_size, dtype, device)
+    split = time_linear(1, m.hidden_size, m.intermediate_size, dtype, device, split=SPLIT_WIDTH)
+    return plain * 1e3, split * 1e3
+
+
+def invariant_row_multiple(config: Config, dtype: torch.dtype, device: torch.device, max_rows: int) \
+        -> tuple[int, str]:
+    """The smallest multiple m (1, 2, 4, 8, 16) such that, with rows padded to a multiple of m, each of 1..max_rows
+    rows gets exactly the numbers it gets among max_rows, at every input width of the model; max_rows itself (every
+    step computes as many rows) when none does."""
+    m = config.model
+    widths = sorted({m.hidden_size, m.num_attention_heads * m.head_dim, m.intermediate_size})
+    generator = torch.Generator().manual_seed(0)
+    tensors = [(torch.randn(256, width, generator=generator).to(device, dtype),
+                torch.randn(max_rows, width, generator=generator).to(device, dtype)) for width in widths]
+
+    def padded(x: torch.Tensor, weight: torch.Tensor, multiple: int) -> torch.Tensor:
+        rows = x.shape[0]
+        extra = -rows % multiple
+        return F.linear(torch.cat([x, x.new_zeros(extra, x.shape[1])]) if extra else x, weight)[:rows]
+
+    for multiple in (1, 2, 4, 8, 16):
+        if multiple > max_rows:
+            break
+        if all(torch.equal(padded(x[:rows], weight, multiple), padded(x, weight, multiple)[:rows])
+               for weight, x in tensors for rows in range(1, max_rows + 1)):
+            return multiple, f"measured: the smallest with which 1..{max_rows} rows round as in a batch"
+    return max_rows, f"measured: no multiple up to 16 rounds 1..{max_rows} rows alike; every step computes {max_rows}"
+
+
+def _summary(estimates: dict[str, float]) -> str:
+    return ", ".join(f"{name} {ms:.1f} ms" for name, ms in sorted(estimates.items(), key=lambda kv: kv[1]))
+
+
+def measure_paths(config: Config, device: torch.device) -> ComputePaths:
+    """Time every candidate dtype on this model's matrix shapes, per phase (seconds on a CPU, once per machine)."""
+    started = time.perf_counter()
+    names = {dtype_name(d): d for d in candidates(TORCH_DTYPES[config.inference.dtype])}
+    prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
+    batch_rows = max(2, min(config.server.max_num_seqs, 16))
+    phases = {
+        "prefill": (f"{prefill_rows} prompt rows through the layers",
+                    lambda dtype: estimate_prefill_ms(config, prefill_rows, dtype, device)),
+        "decode": ("one row through the layers and lm_head",
+                   lambda dtype: estimate_ms(config, 1, dtype, device, lm_head=True)),
+        "batched_decode": (f"{batch_rows} rows through the layers and lm_head",
+                           lambda dtype: estimate_ms(config, batch_rows, dtype, device, lm_head=True)),
+    }
+    chosen = {}
+    for phase, (what, estimate) in phases.items():
+        estimates = {name: estimate(dtype) for name, dtype in names.items()}
+        best = min(estimates, key=estimates.get)
+        chosen[phase] = PhasePath(names[best], f"measured, {what}: {_summary(estimates)}",
+                                  {k: round(v, 3) for k, v in estimates.items()})
+    wide = time_wide_rows(config, chosen["decode"].dtype, device)
+    split, split_reason = False, "no matrix is wider than the split width"
+    if wide is not None:
+        split = wide[1] < wide[0]
+        split_reason = f"measured, one row through down_proj: as blocks {wide[1]:.2f} ms, whole {wide[0]:.2f} ms"
+    multiple, multiple_reason = invariant_row_multiple(config, chosen["batched_decode"].dtype, device, batch_rows)
+    return ComputePaths(chosen["prefill"], chosen["decode"], chosen["batched_decode"], "measured",
+                        time.perf_counter() - started, split, split_reason, multiple, multiple_reason)
+
+
+def _cache_path(config: Config) -> Path:
+    m = config.model
+    key = {"machine": cpu_identity(), "version": PATHS_VERSION, "dtype": config.inference.dtype,
+           "shapes": [m.num_hidden_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads,
+                      m.head_dim, m.intermediate_size, m.vocab_size],
+           "prefill_rows": min(config.inference.input_len, PREFILL_ROWS_MAX),
+           "batch_rows": max(2, min(config.server.max_num_seqs, 16))}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return paths_cache_dir() / f"paths-{digest}.json"
+
+
+def _from_json(data: dict, source: str) -> ComputePaths:
+    phases = {phase: PhasePath(TORCH_DTYPES[data[phase]["dtype"]], data[phase]["reason"],
+                               data[phase].get("estimated_ms", {})) for phase in PHASES}
+    return ComputePaths(**phases, source=source, measured_s=0.0, split_wide_rows=data["split_wide_rows"],
+                        split_reason=data["split_reason"], batch_row_multiple=data["batch_row_multiple"],
+                        batch_row_reason=data["batch_row_reason"])
+
+
+def choose_paths(config: Config, device: torch.device) -> ComputePaths:
+    """The paths for this config on this device: by capability on a GPU, else measured once per machine (and
+    cached); [inference] prefill_dtype other than "auto" pins prefill."""
+    weight_dtype = TORCH_DTYPES[config.inference.dtype]
+    pinned = config.inference.prefill_dtype
+    if device.type != "cpu" or len(candidates(weight_dtype)) == 1:
+        reason = "capability: the GPU's tensor cores run the weights' dtype natively" if device.type != "cpu" \
+            else "the weights' dtype (no other holds float32 values)"
+        paths = ComputePaths(PhasePath(weight_dtype, reason), PhasePath(weight_dtype, reason),
+                             PhasePath(weight_dtype, reason), "capability")
+    else:
+        path = _cache_path(config)
+        try:
+            paths = _from_json(json.loads(path.read_text()), "cached")
+        except (OSError, ValueError, KeyError):
+            paths = measure_paths(config, device)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".partial-{os.getpid()}")
+            partial.write_text(json.dumps({"machine": cpu_identity(), **paths.to_json()}, indent=1))
+            os.replace(partial, path)
+    if pinned != "auto":
+        paths = dataclasses.replace(paths, prefill=PhasePath(TORCH_DTYPES[pinned],
+                                                             "pinned by [inference] prefill_dtype"))
+    return paths
+
+
+# ---- the machine's own numbers, for the bench's floors and its kernel table --------------------------------
+
+def read_bandwidth_gbps(device: torch.device, gib: float = 1.0, repeats: int = 10) -> dict:
+    """The best plain streaming read: torch.sum over `gib` GiB of float32 (no matrix kernel, no dtype's
+    arithmetic), best and median of `repeats`."""
+    data = torch.ones(int(gib * 2**30) // 4, device=device)
+    times = []
+    for i in range(repeats + 1):
+        synchronize(device)
+        started = time.perf_counter()
+        data.sum()
+        synchronize(device)
+        if i:
+            times.append(time.perf_counter() - started)
+    nbytes = data.numel() * 4
+    times.sort()
+    return {"read_gbps": nbytes / times[0] / 1e9, "read_median_gbps": nbytes / times[len(times) // 2] / 1e9,
+            "read_bytes": nbytes}
+
+
+KERNEL_MATVEC = (32768, 4096)  # rows x inputs, 256 MiB in float16: far larger than any cache
+KERNEL_MATMUL = (256, 4096, 11008)  # prompt rows x inputs x outputs: one gate_proj of prefill
+
+
+def kernel_table(device: torch.device, dtypes: list[torch.dtype], repeats: int = 5) -> dict:
+    """Per dtype: a matrix-vector product and 8 rows over 32768 x 4096 (GB/s of the weight read), and a
+    256 x 4096 x 11008 matrix product (GFLOP/s)."""
+    rows_out, width = KERNEL_MATVEC
+    t, k, n = KERNEL_MATMUL
+    table = {}
+    for dtype in dtypes:
+        size = torch.finfo(dtype).bits // 8
+        weight_bytes = rows_out * width * size
+        table[dtype_name(dtype)] = {
+            "matvec_gbps": weight_bytes / time_linear(1, rows_out, width, dtype, device, repeats) / 1e9,
+            "rows8_gbps": weight_bytes / time_linear(8, rows_out, width, dtype, device, repeats) / 1e9,
+            "matmul_gflops": 2 * t * k * n / time_linear(t, n, k, dtype, device, max(2, repeats // 2)) / 1e9,
+        }
+    return table
