@@ -96,7 +96,8 @@ class GraphedDecoder:
 
     def _forward(self, bucket: int) -> torch.Tensor:
         view = BucketedCache(self.cache, self.position, bucket)
-        return self.engine.model(self.token, self.position, view, compute_dtype=self.engine.decode_dtype)  # [1, 1, vocab]
+        return self.engine.model(self.token, self.position, view,
+                                 compute_dtype=self.engine.decode_dtype)  # [1, 1, vocab]
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream (cuBLAS handles, allocator), then record on the same stream. The warm-up runs
