@@ -78,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=int, metavar="N",
                        help="instead: one request alone, then N at once, through the server (continuous batching)")
     bench.add_argument("--max-tokens", type=int, default=64,
-                       help="with --concurrency: new tokens per request (default: %(default)s)")
+                       help="with --concurrency or --load: new tokens per request (default: %(default)s)")
+    bench.add_argument("--load", metavar="RATES",
+                       help="instead: streaming requests at each offered rate (requests/s, Poisson arrivals) "
+                            "through a server process; TTFT and ITL percentiles and the knee, e.g. 0.5,1,2,4")
+    bench.add_argument("--requests", type=int, default=16, help="with --load: requests per rate (default: %(default)s)")
+    bench.add_argument("--url", help="with --load: a running server (http://host:port) instead of starting one")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     return parser
 
@@ -163,6 +168,20 @@ def cmd_bench(config: Config, args) -> None:
             raise ConfigError(f"--batch-sweep {args.batch_sweep!r}: batch sizes must be >= 1")
         result = run_batch_sweep(config, args.config, args.overrides, sizes, args.steps, progress=progress)
         print(json.dumps(result) if args.json else format_batch_sweep(result))
+        return
+    if args.load:
+        from .loadgen import format_load, run_load
+
+        try:
+            rates = [float(part) for part in args.load.replace(" ", "").split(",") if part]
+        except ValueError:
+            rates = []
+        if not rates or min(rates) <= 0 or args.requests < 1 or args.max_tokens < 1:
+            raise ConfigError(f"--load {args.load!r}: expected rates > 0 in requests/s like 0.5,1,2,4 (and "
+                              "--requests, --max-tokens >= 1)")
+        result = run_load(config, args.config, args.overrides, sorted(rates), args.requests, args.max_tokens,
+                          url=args.url, progress=progress)
+        print(json.dumps(result) if args.json else format_load(result))
         return
     if args.concurrency is not None:
         from .bench import format_concurrency, run_concurrency
