@@ -5,10 +5,12 @@ import json
 import subprocess
 import sys
 
-from kvbook.bench import decode_weight_bytes, targets
-from kvbook.config import Config, ModelConfig
+import pytest
+from kvbook.bench import decode_weight_bytes, ratios
+from kvbook.config import Config, ModelConfig, load_config
+from kvbook.roofline import prefill_flops
 
-from .test_cli import TINY
+from .test_cli import TINY, TINY_SETTINGS
 
 
 def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
@@ -19,12 +21,28 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
                             timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout)
-    for key in ("ttft_ms", "tpot_ms", "ready_s", "peak_rss_mb", "floor_ms", "cold_ready_s", "probe_gbps"):
+    for key in ("ttft_ms", "tpot_ms", "ready_s", "peak_rss_mb", "memory_floor_ms", "compute_floor_ms",
+                 "cold_ready_s", "weight_bytes_kept"):
         assert out[key] > 0, key
     assert out["kv_cache_bytes"] == out["kv_cache_bytes_formula"] == 2 * 1 * 2 * 16 * 256 * 4
-    assert set(out["transformers"]) >= {"build_s", "ttft_ms", "tpot_ms", "peak_rss_mb"}
-    assert set(out["targets"]) >= {"tpot_vs_floor", "tpot_vs_transformers", "ttft_vs_transformers",
-                                   "cold_ready_vs_transformers_build", "kv_cache_bytes_exact"}
+    floors = out["floors"]
+    assert floors["decode_weight_bytes"] == decode_weight_bytes(load_config("config.toml", TINY_SETTINGS))
+    assert floors["decode_kv_bytes"] == 2 * 1 * 2 * 16 * 4 * (256 + 1.5)  # the mean of 2 steps' positions
+    assert out["memory_floor_ms"] == pytest.approx(
+        (floors["decode_weight_bytes"] + floors["decode_kv_bytes"]) / floors["read_gbps"] / 1e6)
+    assert out["compute_floor_ms"] == pytest.approx(floors["prefill_flops"] / floors["peak_gflops"] / 1e6)
+    assert floors["peak_gflops"] == max(out["kernels"][d]["matmul_gflops"] for d in floors["compute_dtypes"])
+    assert set(out["kernels"]) == {"float16", "bfloat16", "float32"}
+    assert all(v > 0 for k in out["kernels"].values() for v in k.values())
+    assert set(out["transformers_by_dtype"]) == {"float32", "bfloat16"}  # the config's dtype and bfloat16
+    best = out["transformers"]
+    assert best["tpot_ms"] == min(p["tpot_ms"] for p in out["transformers_by_dtype"].values())
+    assert best["ttft_ms"] == out["transformers_by_dtype"][best["ttft_dtype"]]["ttft_ms"]
+    ratios = out["ratios"]
+    assert ratios["tpot_vs_best_transformers"] == round(out["tpot_ms"] / best["tpot_ms"], 3)
+    assert ratios["ttft_vs_compute_floor"] == round(out["ttft_ms"] / out["compute_floor_ms"], 3)
+    assert ratios["kv_cache_bytes_exact"] is True
+    assert out["paths"]["decode"]["dtype"] == out["decode_dtype"] and len(out["paths_text"]) == 5
     assert "kvbook bench: [1/" in result.stderr  # progress lines
 
 
@@ -36,14 +54,25 @@ def test_decode_reads_every_weight_but_the_embedding():
     assert ModelConfig().vocab_size == 151936
 
 
-def test_targets_compare_ratios_with_their_limits():
-    result = {"tpot_ms": 60.0, "floor_ms": 50.0, "peak_rss_mb": 4000.0, "weight_bytes": 3703629312,
-              "kv_cache_bytes": 10, "kv_cache_bytes_formula": 11, "ttft_ms": 500.0, "ready_s": 0.3,
+def test_prefill_flops_count_lm_head_on_one_position():
+    m = ModelConfig()  # the article's shapes
+    layer = 4 * 4096 * 4096 + 3 * 4096 * 11008
+    assert prefill_flops(m, 256) == 3 * (2 * 256 * layer + 4 * 32 * 256 * 256 * 128) + 2 * 4096 * 151936
+    assert round(prefill_flops(m, 256) / 1e9, 1) == 315.3  # lm_head on all 256 positions would add 317 GFLOP
+
+
+def test_ratios_against_floors_and_the_best_peer():
+    result = {"tpot_ms": 60.0, "memory_floor_ms": 50.0, "ttft_ms": 500.0, "compute_floor_ms": 400.0,
+              "peak_rss_mb": 4000.0, "weight_bytes_kept": 4000 * 2**20, "kv_cache_bytes": 10,
+              "kv_cache_bytes_formula": 11, "ready_s": 0.3,
               "transformers": {"tpot_ms": 100.0, "ttft_ms": 5000.0, "build_s": 12.0}}
-    t = targets(result)
-    assert t["tpot_vs_floor"] == {"ratio": 1.2, "limit": 1.2, "met": True}
-    assert t["tpot_vs_transformers"]["met"] is True and t["ttft_vs_transformers"]["ratio"] == 0.1
-    assert t["kv_cache_bytes_exact"]["met"] is False
+    r = ratios(result)
+    assert r["tpot_vs_memory_floor"] == 1.2 and r["ttft_vs_compute_floor"] == 1.25
+    assert r["peak_rss_vs_weight_bytes_kept"] == 1.0 and r["kv_cache_bytes_exact"] is False
+    assert r["tpot_vs_best_transformers"] == 0.6 and r["ttft_vs_best_transformers"] == 0.1
+    assert r["cold_ready_vs_transformers_build"] is None  # no cold start in this run
+    del result["transformers"]
+    assert ratios(result)["tpot_vs_best_transformers"] is None
 
 
 def test_roofline_json_on_a_tiny_model(tmp_path):

@@ -39,7 +39,11 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache):
         path = getattr(first, phase)
         assert path.dtype in candidates(torch.float16)
         assert set(path.estimated_ms) == {"float16", "bfloat16", "float32"}
-        assert min(path.estimated_ms, key=path.estimated_ms.get) == str(path.dtype).removeprefix("torch.")
+        fastest = min(path.estimated_ms, key=path.estimated_ms.get)
+        chosen = str(path.dtype).removeprefix("torch.")
+        # the fastest, or the weights' own dtype when it is within the margin (no copy)
+        assert chosen == fastest or (chosen == "float16" and "needs no copy" in path.reason
+                                     and path.estimated_ms["float16"] <= 1.1 * path.estimated_ms[fastest])
         assert path.reason.startswith("measured")
     files = list(paths_cache_dir().iterdir())
     assert len(files) == 1 and json.loads(files[0].read_text())["machine"] == cpu_identity()

@@ -1,11 +1,19 @@
-"""python -m kvbook bench: TTFT, TPOT, model-ready time, peak memory and the memory-bandwidth floor of a decode
-step, measured honestly (warm-up, repeated runs, synchronized), optionally beside transformers' Qwen3ForCausalLM
-at the same shapes and dtype in the same run. Read by chapter 7 ("Latency") and BENCHMARKS.md.
+"""python -m kvbook bench: TTFT, TPOT, model-ready time and peak memory, measured honestly (warm-up, repeated runs,
+synchronized), against the machine's two floors and optionally beside transformers' Qwen3ForCausalLM at the same
+shapes, in float16 and in bfloat16, in the same run. Read by chapter 7 ("Latency") and BENCHMARKS.md, which states
+the project's goals for these ratios.
+
+The floors belong to the machine, not to one kernel:
+  memory floor   the bytes a decode step must read (the weights as stored, the embedding's one row, and the K/V
+                 cache at the run's mean position) / the best plain streaming read (torch.sum over 1 GiB float32)
+  compute floor  prefill's FLOPs counted from the shapes (lm_head on the last position only) / the best matrix-
+                 product rate of any dtype the engine may compute in on the device (kvbook.paths.candidates)
 
 Each party runs in its own process, so that one's memory and caches do not colour the other's figures:
-  probe        a large float16 matrix-vector product outside any model: the best read bandwidth
+  machine      the plain read and the kernel table (matrix-vector, 8 rows, a 256-row product per dtype)
   engine       kvbook from the weight cache, and (unless --no-cold) from an empty one, 3 times
-  transformers Qwen3ForCausalLM built from a Qwen3Config, random init, prefill then step-by-step decode
+  transformers Qwen3ForCausalLM built from a Qwen3Config, random init, prefill then step-by-step decode, in the
+               config's dtype and in bfloat16
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,10 +33,10 @@ import torch
 
 from .config import Config, kv_cache_bytes
 from .device import TORCH_DTYPES, resolve_device, synchronize
+from .paths import candidates, cpu_identity, dtype_name, kernel_table, paths_cache_dir, read_bandwidth_gbps
 from .quant import int8_weight_bytes
+from .roofline import prefill_flops
 from .weights import expected_shapes
-
-PROBE_ROWS, PROBE_COLS = 65536, 4096  # 512 MiB in float16: far larger than any cache
 
 
 def _peak_rss_mb() -> float:
@@ -68,22 +77,25 @@ def _dtype_size(config: Config) -> int:
 # ---- workers: each prints one JSON line ---------------------------------------------------------------
 
 def probe_worker(config: Config, repeats: int) -> dict:
-    """Best read bandwidth of a float16 matrix-vector product on the engine's device, in GB/s."""
+    """The best plain read bandwidth of the engine's device, in GB/s (kvbook.paths.read_bandwidth_gbps)."""
+    read = read_bandwidth_gbps(resolve_device(config.inference.device), repeats=repeats)
+    return {"probe_gbps": read["read_gbps"], "probe_median_gbps": read["read_median_gbps"],
+            "probe": "torch.sum over 1 GiB of float32"}
+
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def machine_worker(config: Config, repeats: int) -> dict:
+    """The machine's own numbers: the best plain read, and per dtype the kernel table (kvbook.paths)."""
     device = resolve_device(config.inference.device)
-    dtype = TORCH_DTYPES[config.inference.dtype]
-    matrices = [torch.randn(PROBE_ROWS, PROBE_COLS, dtype=dtype, device=device) for _ in range(2)]
-    x = torch.randn(1, PROBE_COLS, dtype=dtype, device=device)
-    times = []
-    for i in range(repeats + 2):
-        synchronize(device)
-        started = time.perf_counter()
-        torch.nn.functional.linear(x, matrices[i % 2])
-        synchronize(device)
-        if i >= 2:  # the first two are warm-up
-            times.append(time.perf_counter() - started)
-    nbytes = matrices[0].numel() * matrices[0].element_size()
-    return {"probe_gbps": nbytes / min(times) / 1e9, "probe_median_gbps": nbytes / statistics.median(times) / 1e9,
-            "probe_shape": [PROBE_ROWS, PROBE_COLS]}
+    read = read_bandwidth_gbps(device, repeats=repeats)
+    kernels = kernel_table(device, list(KERNEL_DTYPES))
+    usable = [dtype_name(d) for d in candidates(TORCH_DTYPES[config.inference.dtype])]
+    best = max(usable, key=lambda name: kernels[name]["matmul_gflops"])
+    return {**read, "kernels": kernels, "compute_dtypes": usable, "peak_gflops": kernels[best]["matmul_gflops"],
+            "peak_gflops_dtype": best,
+            "identity": cpu_identity() if device.type == "cpu" else {"gpu": torch.cuda.get_device_name(device)}}
 
 
 def engine_worker(config: Config, repeats: int, steps: int) -> dict:
@@ -120,17 +132,19 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
                      cache, compute_dtype=engine.prefill_dtype)
     return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
             "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": str(engine.prefill_dtype),
+            "decode_dtype": dtype_name(engine.decode_dtype), "batch_dtype": dtype_name(engine.batch_dtype),
+            "paths": engine.describe_paths(), "paths_text": engine.paths.describe(),
             "cuda_graphs": engine.decoder is not None,
             "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length, "batch_size": batch}
 
 
-def transformers_worker(config: Config, repeats: int, steps: int) -> dict:
+def transformers_worker(config: Config, repeats: int, steps: int, peer_dtype: str | None = None) -> dict:
     from transformers import DynamicCache, Qwen3ForCausalLM
 
     from .reference import hf_config
     from .tokenizer import build_prompt_ids
 
-    device, dtype = resolve_device(config.inference.device), TORCH_DTYPES[config.inference.dtype]
+    device, dtype = resolve_device(config.inference.device), TORCH_DTYPES[peer_dtype or config.inference.dtype]
     hf_cfg = hf_config(config.model)
     started = time.perf_counter()
     model = Qwen3ForCausalLM._from_config(hf_cfg, dtype=dtype).to(device).eval()
@@ -161,7 +175,8 @@ def transformers_worker(config: Config, repeats: int, steps: int) -> dict:
         first, step_ms = run(steps + 1)
         ttft.append(first)
         tpot.append(statistics.fmean(step_ms))
-    return {"build_s": build_s, "ttft_runs": ttft, "tpot_runs": tpot, "peak_rss_mb": _peak_rss_mb()}
+    return {"build_s": build_s, "ttft_runs": ttft, "tpot_runs": tpot, "peak_rss_mb": _peak_rss_mb(),
+            "dtype": str(dtype).removeprefix("torch.")}
 
 
 def roofline_worker(config: Config, repeats: int, steps: int) -> dict:
@@ -171,8 +186,13 @@ def roofline_worker(config: Config, repeats: int, steps: int) -> dict:
     return roofline(Engine(config, progress=False), repeats=repeats)
 
 
-WORKERS = {"probe": probe_worker, "engine": engine_worker, "transformers": transformers_worker,
-           "roofline": roofline_worker}
+WORKERS = {"probe": probe_worker, "machine": machine_worker, "engine": engine_worker,
+           "transformers": transformers_worker, "roofline": roofline_worker}
+
+
+def peer_dtypes(config: Config) -> list[str]:
+    """transformers is measured in the config's dtype and in bfloat16 (the faster of them on some CPUs)."""
+    return list(dict.fromkeys([config.inference.dtype, "bfloat16"]))
 
 
 # ---- the parent: runs the workers, computes floor and ratios ------------------------------------------
@@ -199,17 +219,26 @@ def _merge(rounds: list[dict]) -> dict:
     return merged
 
 
+def decode_kv_bytes(config: Config, steps: int) -> float:
+    """K/V cache bytes a decode step reads, per sequence, at the run's mean position: step i (1..steps) attends to
+    input_len + i positions."""
+    positions = config.inference.input_len + (steps + 1) / 2
+    return kv_cache_bytes(config.model, 1, config.kv_cache.cache_dtype) * positions
+
+
 def run_bench(config: Config, config_path: str, overrides: list[str], against: str | None = None,
               repeats: int = 3, steps: int = 32, cold: bool = True, rounds: int = 2, progress=print) -> dict:
-    """With a peer, the engine and the peer run alternately `rounds` times (A, B, A, B), so that a machine
-    whose speed drifts during the bench weighs on both alike. The cold start (an empty weight cache) runs after
-    the first round, like the peer's second build: on memory that the processes before it have just used. On a
-    virtual machine, memory left untouched for a minute can cost a second per GB to fault in again (BENCHMARKS.md),
-    and the first process to ask for gigabytes would pay for it alone."""
+    """With a peer, the engine and the peer (in each of its dtypes) run alternately `rounds` times (A, B, C, A,
+    B, C), so that a machine whose speed drifts during the bench weighs on all alike. The cold start (an empty
+    weight cache) runs after the first round, like the peer's second build: on memory that the processes before it
+    have just used. On a virtual machine, memory left untouched for a minute can cost a second per GB to fault in
+    again (BENCHMARKS.md), and the first process to ask for gigabytes would pay for it alone. The cold start keeps
+    the machine's measured paths (kvbook.paths): they are measured once per machine, not once per weight file."""
     rounds = rounds if against else 1
-    stages = ["bandwidth probe"]
+    peers = peer_dtypes(config) if against else []
+    stages = ["the machine: plain read and kernels"]
     for r in range(1, rounds + 1):
-        stages += [f"engine (weights from the cache), round {r}"] + ([f"{against}, round {r}"] if against else [])
+        stages += [f"engine (weights from the cache), round {r}"] + [f"{against} {d}, round {r}" for d in peers]
         stages += [f"engine (empty cache), {COLD_RUNS} runs"] if cold and r == 1 else []
     stage = iter(range(1, len(stages) + 1))
 
@@ -218,49 +247,80 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         progress(f"kvbook bench: [{number}/{len(stages)}] {stages[number - 1]} ...")
 
     announce()
-    probe = _run_worker("probe", config_path, overrides, 20, steps)
-    _run_worker("engine", config_path, overrides, 0, 1)  # makes sure the weight cache exists (not timed)
-    engine_rounds, peer_rounds, cold_runs = [], [], []
+    machine = _run_worker("machine", config_path, overrides, 10, steps)
+    _run_worker("engine", config_path, overrides, 0, 1)  # the weight cache and the paths exist (not timed)
+    engine_rounds, peer_rounds, cold_runs = [], {d: [] for d in peers}, []
     for r in range(rounds):
         announce()
         engine_rounds.append(_run_worker("engine", config_path, overrides, repeats, steps))
-        if against:
+        for dtype in peers:
             announce()
-            peer_rounds.append(_run_worker("transformers", config_path, overrides, repeats, steps))
+            peer_rounds[dtype].append(_run_worker(f"transformers:{dtype}", config_path, overrides, repeats, steps))
         if cold and r == 0:
             announce()
             for _ in range(COLD_RUNS):  # each into its own empty cache; the worker exits once the cache is written
                 with tempfile.TemporaryDirectory(prefix="kvbook-cold-") as empty:
+                    if paths_cache_dir().is_dir():
+                        shutil.copytree(paths_cache_dir(), os.path.join(empty, "kvbook", "paths"))
                     cold_runs.append(_run_worker("engine", config_path, overrides, 0, 1,
                                                  env={**os.environ, "XDG_CACHE_HOME": empty})["ready_s"])
     engine = _merge(engine_rounds)
+    batch = engine["batch_size"]
     weights_read = decode_weight_bytes(config)
+    kv_read = decode_kv_bytes(config, steps) * batch
+    flops = prefill_flops(config.model, config.inference.input_len)
+    memory_floor_ms = (weights_read + kv_read) / (machine["read_gbps"] * 1e9) * 1e3
+    compute_floor_ms = flops / (machine["peak_gflops"] * 1e9) * 1e3
     result = {
         "ttft_ms": engine["ttft_ms"], "tpot_ms": engine["tpot_ms"],
-        "tokens_per_s": engine["batch_size"] * 1e3 / engine["tpot_ms"], "batch_size": engine["batch_size"],
+        "tokens_per_s": batch * 1e3 / engine["tpot_ms"], "batch_size": batch,
         "ready_s": engine["ready_s"], "peak_rss_mb": engine["peak_rss_mb"],
-        "floor_ms": weights_read / (probe["probe_gbps"] * 1e9) * 1e3,
+        "memory_floor_ms": memory_floor_ms, "compute_floor_ms": compute_floor_ms,
+        "floor_ms": memory_floor_ms,  # the name chapter 7's recorded runs use
+        "floors": {"decode_weight_bytes": weights_read, "decode_kv_bytes": kv_read,
+                   "read_gbps": machine["read_gbps"], "read_median_gbps": machine["read_median_gbps"],
+                   "prefill_flops": flops, "peak_gflops": machine["peak_gflops"],
+                   "peak_gflops_dtype": machine["peak_gflops_dtype"], "compute_dtypes": machine["compute_dtypes"]},
+        "kernels": machine["kernels"], "identity": machine["identity"],
+        "paths": engine["paths"], "paths_text": engine["paths_text"],
         "ttft_spread": engine["ttft_spread"], "tpot_spread": engine["tpot_spread"],
-        "probe_gbps": probe["probe_gbps"], "probe_median_gbps": probe["probe_median_gbps"],
+        "probe_gbps": machine["read_gbps"],
         "decode_weight_bytes": weights_read, "weight_bytes": all_weight_bytes(config),
+        "weight_bytes_kept": engine["paths"]["weight_bytes_kept"],
         "kv_cache_bytes": engine["kv_cache_bytes"],
         "kv_cache_bytes_formula": kv_cache_bytes(config.model, engine["kv_cache_positions"],
                                                  config.kv_cache.cache_dtype),
         "kv_cache_positions": engine["kv_cache_positions"],
         "device": engine["device"], "dtype": config.inference.dtype, "prefill_dtype": engine["prefill_dtype"],
+        "decode_dtype": engine["decode_dtype"], "batch_dtype": engine["batch_dtype"],
         "cuda_graphs": engine["cuda_graphs"],
         "input_len": config.inference.input_len, "decode_steps": steps, "repeats": repeats, "rounds": rounds,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "cpu": machine["identity"].get("cpu"),
                     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
     }
     if cold_runs:
         result["cold_ready_spread"] = _spread(cold_runs)
         result["cold_ready_s"] = result["cold_ready_spread"]["median"]
     if against:
-        peer = _merge(peer_rounds)
-        result["transformers"] = {key: peer[key] for key in ("build_s", "ttft_ms", "tpot_ms", "peak_rss_mb",
-                                                             "ttft_spread", "tpot_spread")}
-    result["targets"] = targets(result)
+        by_dtype = {}
+        for dtype, runs in peer_rounds.items():
+            peer = _merge(runs)
+            by_dtype[dtype] = {key: peer[key] for key in ("build_s", "ttft_ms", "tpot_ms", "peak_rss_mb",
+                                                          "ttft_spread", "tpot_spread")}
+            by_dtype[dtype]["ttft_vs_compute_floor"] = peer["ttft_ms"] / compute_floor_ms
+            by_dtype[dtype]["tpot_vs_memory_floor"] = peer["tpot_ms"] / memory_floor_ms
+        best_ttft = min(by_dtype, key=lambda d: by_dtype[d]["ttft_ms"])
+        best_tpot = min(by_dtype, key=lambda d: by_dtype[d]["tpot_ms"])
+        best_build = min(by_dtype, key=lambda d: by_dtype[d]["build_s"])
+        result["transformers_by_dtype"] = by_dtype
+        result["transformers"] = {  # the best configuration, per figure
+            "ttft_ms": by_dtype[best_ttft]["ttft_ms"], "ttft_dtype": best_ttft,
+            "tpot_ms": by_dtype[best_tpot]["tpot_ms"], "tpot_dtype": best_tpot,
+            "build_s": by_dtype[best_build]["build_s"], "build_dtype": best_build,
+            "peak_rss_mb": by_dtype[best_tpot]["peak_rss_mb"],
+            "ttft_spread": by_dtype[best_ttft]["ttft_spread"], "tpot_spread": by_dtype[best_tpot]["tpot_spread"]}
+    result["ratios"] = ratios(result)
     return result
 
 
@@ -346,8 +406,8 @@ def format_concurrency(r: dict) -> str:
 
 
 def run_roofline(config_path: str, overrides: list[str], repeats: int = 3, progress=print) -> dict:
-    """The per-op roofline (kvbook.roofline) with this machine's bandwidth probe: which phase is bound by what."""
-    progress("kvbook bench: [1/2] bandwidth probe ...")
+    """The per-op roofline (kvbook.roofline) with this machine's plain read bandwidth: which phase is bound by what."""
+    progress("kvbook bench: [1/2] plain read bandwidth ...")
     probe = _run_worker("probe", config_path, overrides, 20, 1)
     progress("kvbook bench: [2/2] roofline of prefill and one decode step ...")
     result = _run_worker("roofline", config_path, overrides, repeats, 1)
@@ -360,7 +420,7 @@ def run_roofline(config_path: str, overrides: list[str], repeats: int = 3, progr
 
 def format_roofline(r: dict) -> str:
     lines = [f"roofline on {r['device']}: peak {r['peak_gflops']:.0f} GFLOP/s ({r['prefill_dtype']} matrix product), "
-             f"{r['peak_gbps']:.1f} GB/s (float16 matrix-vector); ridge at {r['machine_balance']:.1f} FLOP/byte"]
+             f"{r['peak_gbps']:.1f} GB/s (plain read); ridge at {r['machine_balance']:.1f} FLOP/byte"]
     for phase in ("prefill", "decode"):
         what = f"{r['prompt_len']} positions" if phase == "prefill" else f"one step at position {r['prompt_len']}"
         lines.append(f"{phase} ({what}): intensity {r['intensity'][phase]:.1f} FLOP/byte -> "
@@ -375,51 +435,67 @@ def format_roofline(r: dict) -> str:
     return "\n".join(lines)
 
 
-def targets(r: dict) -> dict:
-    """The speed issue's goals as ratios measured in this run (None where the run lacks the comparison)."""
+def ratios(r: dict) -> dict:
+    """Every figure against the machine's floors and the best transformers configuration (BENCHMARKS.md states the
+    project's goals for them; None where the run lacks the comparison)."""
     peer = r.get("transformers")
-    goals = {
-        "tpot_vs_floor": (r["tpot_ms"] / r["floor_ms"], 1.2),
-        "peak_rss_vs_weights": (r["peak_rss_mb"] * 2**20 / r["weight_bytes"], 1.3),
-        "kv_cache_bytes_exact": (float(r["kv_cache_bytes"] == r["kv_cache_bytes_formula"]), 1.0),
+    out = {
+        "ttft_vs_compute_floor": r["ttft_ms"] / r["compute_floor_ms"],
+        "tpot_vs_memory_floor": r["tpot_ms"] / r["memory_floor_ms"],
+        "peak_rss_vs_weight_bytes_kept": r["peak_rss_mb"] * 2**20 / r["weight_bytes_kept"],
+        "kv_cache_bytes_exact": r["kv_cache_bytes"] == r["kv_cache_bytes_formula"],
+        "ttft_vs_best_transformers": None, "tpot_vs_best_transformers": None,
+        "ready_vs_transformers_build": None, "cold_ready_vs_transformers_build": None,
     }
     if peer:
-        goals |= {"tpot_vs_transformers": (r["tpot_ms"] / peer["tpot_ms"], 0.7),
-                  "ttft_vs_transformers": (r["ttft_ms"] / peer["ttft_ms"], 0.4),
-                  "ready_vs_transformers_build": (r["ready_s"] / peer["build_s"], 0.1)}
+        out |= {"ttft_vs_best_transformers": r["ttft_ms"] / peer["ttft_ms"],
+                "tpot_vs_best_transformers": r["tpot_ms"] / peer["tpot_ms"],
+                "ready_vs_transformers_build": r["ready_s"] / peer["build_s"]}
         if "cold_ready_s" in r:
-            goals["cold_ready_vs_transformers_build"] = (r["cold_ready_s"] / peer["build_s"], 0.4)
-    out = {}
-    for name, (ratio, limit) in goals.items():
-        met = ratio == limit if name == "kv_cache_bytes_exact" else ratio <= limit
-        out[name] = {"ratio": round(ratio, 3), "limit": limit, "met": bool(met)}
-    return out
+            out["cold_ready_vs_transformers_build"] = r["cold_ready_s"] / peer["build_s"]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
 def format_table(r: dict) -> str:
-    peer = r.get("transformers", {})
-    lines = [f"kvbook bench on {r['device']} ({r['machine']['cpu_count']} CPUs), {r['dtype']} weights, prefill in "
-             f"{r['prefill_dtype'].removeprefix('torch.')}, prompt {r['input_len']}, {r['decode_steps']} decode steps "
-             f"x {r['repeats']} runs x {r['rounds']} rounds (medians)"
-             + ("; decode through CUDA graphs" if r.get("cuda_graphs") else ""),
-             f"{'':28s}{'kvbook':>12s}{'transformers':>14s}"]
+    by_dtype = r.get("transformers_by_dtype", {})
+    peers = list(by_dtype)
+    lines = [f"kvbook bench on {r['device']} ({r['machine'].get('cpu') or r['machine'].get('gpu')}, "
+             f"{r['machine']['cpu_count']} CPUs), {r['dtype']} weights; prompt {r['input_len']}, {r['decode_steps']} "
+             f"decode steps x {r['repeats']} runs x {r['rounds']} rounds (medians)"
+             + ("; decode through CUDA graphs" if r.get("cuda_graphs") else "")]
+    lines += ["paths (kvbook.paths, " + r["paths"]["source"] + "):"] + [f"  {line}" for line in r["paths_text"]]
+    lines.append(f"{'':28s}{'kvbook':>12s}" + "".join(f"{'transformers ' + d:>24s}" for d in peers))
 
-    def row(label, ours, theirs, fmt):
-        lines.append(f"{label:28s}{fmt.format(ours):>12s}{(fmt.format(theirs) if theirs is not None else '-'):>14s}")
+    def row(label, ours, key, fmt):
+        lines.append(f"{label:28s}{fmt.format(ours):>12s}"
+                     + "".join(f"{fmt.format(by_dtype[d][key]):>24s}" for d in peers))
 
-    row("TTFT (ms)", r["ttft_ms"], peer.get("ttft_ms"), "{:.1f}")
-    row("TPOT (ms)", r["tpot_ms"], peer.get("tpot_ms"), "{:.2f}")
-    row("model ready (s)", r["ready_s"], peer.get("build_s"), "{:.2f}")
+    row("TTFT (ms)", r["ttft_ms"], "ttft_ms", "{:.1f}")
+    row("TPOT (ms)", r["tpot_ms"], "tpot_ms", "{:.2f}")
+    row("model ready / build (s)", r["ready_s"], "build_s", "{:.2f}")
     if "cold_ready_s" in r:
-        row("model ready, empty cache (s)", r["cold_ready_s"], peer.get("build_s"), "{:.2f}")
-        lines.append(f"{'  (cold starts: min, max)':28s}{r['cold_ready_spread']['min']:>6.2f}"
-                     f"{r['cold_ready_spread']['max']:>6.2f}")
-    row("peak RSS (MiB)", r["peak_rss_mb"], peer.get("peak_rss_mb"), "{:.0f}")
-    lines.append(f"bandwidth probe {r['probe_gbps']:.1f} GB/s (best); a decode step reads "
-                 f"{r['decode_weight_bytes'] / 1e9:.2f} GB -> floor {r['floor_ms']:.1f} ms")
+        lines.append(f"{'model ready, empty cache (s)':28s}{r['cold_ready_s']:>12.2f}  (min "
+                     f"{r['cold_ready_spread']['min']:.2f}, max {r['cold_ready_spread']['max']:.2f})")
+    row("peak RSS (MiB)", r["peak_rss_mb"], "peak_rss_mb", "{:.0f}")
+    f = r["floors"]
+    lines.append(f"memory floor {r['memory_floor_ms']:.1f} ms = ({f['decode_weight_bytes'] / 1e9:.3f} GB of weights "
+                 f"+ {f['decode_kv_bytes'] / 1e6:.1f} MB of K/V) / {f['read_gbps']:.1f} GB/s (plain read, best)")
+    lines.append(f"compute floor {r['compute_floor_ms']:.1f} ms = {f['prefill_flops'] / 1e9:.1f} GFLOP of prefill / "
+                 f"{f['peak_gflops']:.0f} GFLOP/s ({f['peak_gflops_dtype']} matrix product, the best of "
+                 f"{', '.join(f['compute_dtypes'])})")
+    lines.append(f"weights kept: {r['weight_bytes_kept'] / 2**20:.0f} MiB (values {r['weight_bytes'] / 2**20:.0f} MiB "
+                 "+ arithmetic copies)")
+    lines.append("kernels (GB/s of the weight read; GFLOP/s):")
+    for name, k in r["kernels"].items():
+        lines.append(f"  {name:9s} matrix-vector 32768x4096 {k['matvec_gbps']:6.1f}  8 rows {k['rows8_gbps']:6.1f}  "
+                     f"256x4096x11008 {k['matmul_gflops']:7.1f}")
+    for d in peers:
+        lines.append(f"transformers {d}: TTFT {by_dtype[d]['ttft_vs_compute_floor']:.2f} x compute floor, TPOT "
+                     f"{by_dtype[d]['tpot_vs_memory_floor']:.2f} x memory floor")
     lines.append(f"KV cache after prefill: {r['kv_cache_bytes']} bytes (formula {r['kv_cache_bytes_formula']})")
-    for name, t in r["targets"].items():
-        lines.append(f"  {'met ' if t['met'] else 'MISS'} {name:34s} {t['ratio']:.3f} (limit {t['limit']})")
+    lines.append("ratios (goals: BENCHMARKS.md):")
+    for name, value in r["ratios"].items():
+        lines.append(f"  {name:36s} {'-' if value is None else value}")
     return "\n".join(lines)
 
 
@@ -429,9 +505,10 @@ def main(argv: list[str]) -> None:
 
     role, config_path, repeats, steps, *overrides = argv
     config = load_config(config_path, overrides)
+    role, _, option = role.partition(":")  # transformers:bfloat16
     fn = WORKERS[role]
-    args = (config, int(repeats)) if role == "probe" else (config, int(repeats), int(steps))
-    print(json.dumps(fn(*args)))
+    args = (config, int(repeats)) if role in ("probe", "machine") else (config, int(repeats), int(steps))
+    print(json.dumps(fn(*args, *([option] if option else []))))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,10 @@ from .config import Config
 from .device import TORCH_DTYPES, synchronize
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 1  # bump when what is measured changes, so old choices are measured again
-TIMED_ROWS_MAX = 16384  # a timed matrix has at most this many output rows (128 MiB in float16 at 4096 wide)
+PATHS_VERSION = 2  # bump when what is measured changes, so old choices are measured again
+# a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
+COPY_MARGIN = 0.10
+TIMED_ROWS_MAX = 8192  # a timed matrix has at most this many output rows (64 MiB in float16 at 4096 wide)
 PREFILL_ROWS_MAX = 64  # prefill is timed on at most this many prompt rows: the same kernels, sooner known
 
 
@@ -137,9 +139,10 @@ def paths_cache_dir() -> Path:
 # ---- measuring ---------------------------------------------------------------------------------------------
 
 def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
-                repeats: int = 5, split: int = 0) -> float:
+                repeats: int = 5, split: int = 0, give_up_s: float = float("inf")) -> float:
     """Best seconds of F.linear([rows, in], [out, in]) in dtype; split > 0: the weight as column blocks of at
-    most `split` inputs, summed (kvbook.linear)."""
+    most `split` inputs, summed (kvbook.linear). A warm-up slower than give_up_s is not repeated (a dtype that
+    has already lost)."""
     weight = torch.randn(out_features, in_features, device=device).to(dtype)
     x = torch.randn(rows, in_features, device=device).to(dtype)
     if split and in_features > split:
@@ -156,8 +159,11 @@ def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dty
         started = time.perf_counter()
         run()
         synchronize(device)
+        elapsed = time.perf_counter() - started
+        if i == 0 and elapsed > give_up_s:
+            return elapsed
         if i:
-            best = min(best, time.perf_counter() - started)
+            best = min(best, elapsed)
     return best
 
 
@@ -185,7 +191,7 @@ def matrix_groups(config: Config, lm_head: bool) -> list[tuple[tuple[int, int], 
 
 
 def estimate_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device, lm_head: bool,
-                repeats: int = 5) -> float:
+                repeats: int = 3) -> float:
     """Milliseconds of every layer matrix (and lm_head) multiplied by `rows` rows, from one timed matrix per
     input width (as many output rows as the model has at that width, at most TIMED_ROWS_MAX)."""
     total = 0.0
@@ -195,14 +201,17 @@ def estimate_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.dev
     return total * 1e3
 
 
-def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device) -> float:
+def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device,
+                        best_ms: float = float("inf")) -> float:
     """Prefill's layer matrices for `rows` prompt rows, from one timed gate_proj (the products are limited by
-    arithmetic, whose rate hardly depends on the matrix's width)."""
+    arithmetic, whose rate hardly depends on the matrix's width). best_ms: the best estimate so far; a dtype
+    whose first product already takes 3 times as long is not timed again."""
     m = config.model
     params = sum(params for _, params in matrix_groups(config, lm_head=False))
     out = max(1, min(params // m.hidden_size, m.intermediate_size))
-    seconds = time_linear(rows, out, m.hidden_size, dtype, device, repeats=2)
-    return seconds * params / (out * m.hidden_size) * 1e3
+    scale = params / (out * m.hidden_size)
+    seconds = time_linear(rows, out, m.hidden_size, dtype, device, repeats=2, give_up_s=3 * best_ms / 1e3 / scale)
+    return seconds * scale * 1e3
 
 
 def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device) -> tuple[float, float] | None:
@@ -255,17 +264,23 @@ def measure_paths(config: Config, device: torch.device) -> ComputePaths:
     batch_rows = max(2, min(config.server.max_num_seqs, 16))
     phases = {
         "prefill": (f"{prefill_rows} prompt rows through the layers",
-                    lambda dtype: estimate_prefill_ms(config, prefill_rows, dtype, device)),
+                    lambda dtype, best: estimate_prefill_ms(config, prefill_rows, dtype, device, best)),
         "decode": ("one row through the layers and lm_head",
-                   lambda dtype: estimate_ms(config, 1, dtype, device, lm_head=True)),
+                   lambda dtype, best: estimate_ms(config, 1, dtype, device, lm_head=True)),
         "batched_decode": (f"{batch_rows} rows through the layers and lm_head",
-                           lambda dtype: estimate_ms(config, batch_rows, dtype, device, lm_head=True)),
+                           lambda dtype, best: estimate_ms(config, batch_rows, dtype, device, lm_head=True)),
     }
+    weights = dtype_name(TORCH_DTYPES[config.inference.dtype])
     chosen = {}
     for phase, (what, estimate) in phases.items():
-        estimates = {name: estimate(dtype) for name, dtype in names.items()}
+        estimates: dict[str, float] = {}
+        for name, dtype in names.items():
+            estimates[name] = estimate(dtype, min(estimates.values(), default=float("inf")))
         best = min(estimates, key=estimates.get)
-        chosen[phase] = PhasePath(names[best], f"measured, {what}: {_summary(estimates)}",
+        note = ""
+        if best != weights and estimates[weights] <= (1 + COPY_MARGIN) * estimates[best]:
+            best, note = weights, f"; the weights' own dtype, within {COPY_MARGIN:.0%} of the fastest, needs no copy"
+        chosen[phase] = PhasePath(names[best], f"measured, {what}: {_summary(estimates)}{note}",
                                   {k: round(v, 3) for k, v in estimates.items()})
     wide = time_wide_rows(config, chosen["decode"].dtype, device)
     split, split_reason = False, "no matrix is wider than the split width"

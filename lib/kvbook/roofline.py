@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .config import Config
+from .config import Config, ModelConfig
 from .device import synchronize
 from .engine import Engine
 from .tokenizer import build_prompt_ids
@@ -49,24 +49,40 @@ class ModuleTimer:
             handle.remove()
 
 
-def _linear(op, layer, t, module, act_bytes, prefill):
-    weight = module.prefill_weight if prefill and module.prefill_weight is not None else module.weight
+def prefill_flops(m: ModelConfig, t: int) -> int:
+    """FLOPs of prefill's matrix products for t prompt positions, from the shapes: every layer matrix on t rows,
+    attention's two products over the t x t square (as computed, masked), lm_head on the last position only. (Norms,
+    RoPE and SwiGLU's few FLOPs per element are left out: well under 0.1%.)"""
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    layer = (q + 2 * kv) * m.hidden_size + m.hidden_size * q + 3 * m.hidden_size * m.intermediate_size
+    attention = 4 * m.num_attention_heads * t * t * m.head_dim
+    return m.num_hidden_layers * (2 * t * layer + attention) + 2 * m.hidden_size * m.vocab_size
+
+
+def _linear(op, layer, t, module, act_dtype, dtype_of_weight):
+    """A Linear's row: the bytes of the weight (or copy) the phase's dtype reads."""
+    weight = getattr(module, "weight_in", lambda d: None)(dtype_of_weight)
+    weight = weight if weight is not None else getattr(module, "weight", None)
+    act_bytes = torch.finfo(act_dtype).bits // 8
+    weight_bytes = weight.numel() * weight.element_size() if weight is not None else module.weight_bytes  # int8
     activations = t * (module.in_features + module.out_features) * act_bytes
     return {"op": op, "layer": layer, "flops": 2 * t * module.in_features * module.out_features,
-            "bytes": weight.numel() * weight.element_size() + activations}
+            "bytes": weight_bytes + activations}
 
 
 def op_costs(engine: Engine, t: int, s: int, act_dtype: torch.dtype, prefill: bool) -> list[dict]:
-    """FLOPs and bytes of every op for T new positions attending to S positions."""
+    """FLOPs and bytes of every op for T new positions attending to S positions, the matrices read in act_dtype
+    (the phase's path, kvbook.paths) and lm_head's one row in the decode path's dtype."""
     m, model = engine.config.model, engine.model
     a = torch.finfo(act_dtype).bits // 8
+    d = act_dtype
     cache_bytes = torch.finfo(engine.dtype).bits // 8
     rows = [{"op": "embedding", "layer": None, "flops": 0, "bytes": 2 * t * m.hidden_size * a}]
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         norm = {"flops": 4 * t * m.hidden_size, "bytes": 2 * t * m.hidden_size * a}
         rows.append({"op": "input_layernorm", "layer": i, **norm})
-        rows += [_linear(name, i, t, getattr(attn, name), a, prefill) for name in ("q_proj", "k_proj", "v_proj")]
+        rows += [_linear(name, i, t, getattr(attn, name), d, d) for name in ("q_proj", "k_proj", "v_proj")]
         heads = (m.num_attention_heads + m.num_key_value_heads) * m.head_dim
         rows.append({"op": "qk_norm + rope", "layer": i, "flops": 10 * t * heads, "bytes": 4 * t * heads * a})
         rows.append({"op": "attention", "layer": i,
@@ -74,15 +90,14 @@ def op_costs(engine: Engine, t: int, s: int, act_dtype: torch.dtype, prefill: bo
                      "bytes": 2 * s * m.num_key_value_heads * m.head_dim * cache_bytes  # K and V read
                      + 2 * m.num_attention_heads * t * s * 4  # float32 scores written, then read
                      + 2 * t * m.num_attention_heads * m.head_dim * a})
-        rows.append(_linear("o_proj", i, t, attn.o_proj, a, prefill))
+        rows.append(_linear("o_proj", i, t, attn.o_proj, d, d))
         rows.append({"op": "post_attention_layernorm", "layer": i, **norm})
-        rows += [_linear(name, i, t, getattr(mlp, name), a, prefill) for name in ("gate_proj", "up_proj")]
+        rows += [_linear(name, i, t, getattr(mlp, name), d, d) for name in ("gate_proj", "up_proj")]
         rows.append({"op": "silu * up", "layer": i, "flops": 5 * t * m.intermediate_size,
                      "bytes": 3 * t * m.intermediate_size * a})
-        rows.append(_linear("down_proj", i, t, mlp.down_proj, a, prefill))
+        rows.append(_linear("down_proj", i, t, mlp.down_proj, d, d))
     rows.append({"op": "final norm", "layer": None, "flops": 4 * t * m.hidden_size, "bytes": 2 * t * m.hidden_size * a})
-    lm_head_act = torch.finfo(engine.dtype).bits // 8
-    rows.append(_linear("lm_head", None, 1, model.lm_head, lm_head_act, False))  # the last position only
+    rows.append(_linear("lm_head", None, 1, model.lm_head, engine.decode_dtype, engine.decode_dtype))  # one row
     return rows
 
 
@@ -143,14 +158,16 @@ def roofline(engine: Engine, prompt_len: int | None = None, repeats: int = 3) ->
                 if phase == "prefill":
                     engine.model(ids, positions, cache, compute_dtype=engine.prefill_dtype)
                 else:
-                    engine.model(ids[:, -1:], torch.tensor([prompt_len], device=engine.device), cache)
+                    engine.model(ids[:, -1:], torch.tensor([prompt_len], device=engine.device), cache,
+                                 compute_dtype=engine.decode_dtype)
             finally:
                 timer.remove()
                 if hasattr(cache, "free"):
                     cache.free()
             runs.append(timer)
         prefill = phase == "prefill"
-        t, s, dtype = (prompt_len, prompt_len, engine.prefill_dtype) if prefill else (1, prompt_len + 1, engine.dtype)
+        t, s, dtype = (prompt_len, prompt_len, engine.prefill_dtype) if prefill else \
+            (1, prompt_len + 1, engine.decode_dtype)
         rows = op_costs(engine, t, s, dtype, prefill)
         for row in rows:
             ms = sorted(_measured_ms(timer, row) for timer in runs[1:])[len(runs[1:]) // 2]
@@ -163,7 +180,7 @@ def roofline(engine: Engine, prompt_len: int | None = None, repeats: int = 3) ->
     return {"prefill": phases["prefill"], "decode": phases["decode"], "prompt_len": prompt_len,
             "peak_gflops": peak_compute_gflops(engine), "device": str(engine.device),
             "prefill_dtype": str(engine.prefill_dtype).removeprefix("torch."),
-            "decode_dtype": str(engine.dtype).removeprefix("torch."),
+            "decode_dtype": str(engine.decode_dtype).removeprefix("torch."),
             "lm_head_share_of_decode": lm_head["ms"] / decode_ms,
             "intensity": {phase: sum(r["flops"] for r in rows) / sum(r["bytes"] for r in rows)
                           for phase, rows in phases.items()}}
