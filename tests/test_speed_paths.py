@@ -161,3 +161,24 @@ def test_prefill_copy_is_cached_and_reloaded(weight_cache):
     assert set(prefill_again) == set(prefill_weight_names(cfg))
     assert all(torch.equal(prefill[k], prefill_again[k]) and torch.equal(prefill[k], weights[k].bfloat16())
                for k in prefill)
+
+
+def test_generate_json_says_which_path_ran_and_why(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from .test_cli import TINY
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    half = ["--set", "inference.dtype=float16", "--set", "kv_cache.cache_dtype=float16"]
+    result = subprocess.run([sys.executable, "-m", "kvbook", "generate", "--input-ids", "9707,1879",
+                             "--max-new-tokens", "3", "--json", *TINY, *half], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["dtype"] == "float16" and out["paths"]["source"] == "measured"
+    assert out["paths"]["decode"]["dtype"] in {"float16", "bfloat16", "float32"}
+    assert out["paths"]["decode"]["reason"].startswith("measured")
+    assert out["paths"]["weight_bytes_kept"] >= out["paths"]["weight_bytes_values"] > 0
+    assert out["paths_text"][1].startswith("decode: " + out["paths"]["decode"]["dtype"])

@@ -242,13 +242,15 @@ def cmd_generate(config: Config, args) -> None:
                           "finish_reason": run.finish_reason, "cache_len": run.cache_len,
                           "ready_s": engine.ready_s, "ttft_ms": run.ttft_ms, "tpot_ms": run.tpot_ms,
                           "device": str(engine.device),
-                          "dtype": engine.config.inference.dtype}))
+                          "dtype": engine.config.inference.dtype,
+                          "paths": engine.describe_paths(), "paths_text": engine.paths.describe()}))
         return
     print(text)
     tpot = f"{run.tpot_ms:.1f} ms" if run.tpot_ms is not None else "-"
     print(f"[{len(input_ids)} prompt + {len(run.output_ids)} generated tokens, finish_reason "
           f"{run.finish_reason}, cache_len {run.cache_len}, TTFT {run.ttft_ms:.1f} ms, TPOT {tpot}, "
-          f"{engine.device}]", file=sys.stderr)
+          f"{engine.device}; prefill in {str(engine.prefill_dtype).removeprefix('torch.')}, decode in "
+          f"{str(engine.decode_dtype).removeprefix('torch.')}: see --json for why]", file=sys.stderr)
 
 
 def _flag_overrides(args) -> list[str]:
