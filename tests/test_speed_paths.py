@@ -56,6 +56,7 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache):
 def test_float32_weights_and_gpus_are_not_measured(weight_cache):
     paths = choose_paths(small_config(dtype="float32"), CPU)
     assert paths.source == "capability" and paths.dtypes() == {torch.float32}
+    assert paths.batch_row_reason.startswith("measured")  # batch invariance is measured on a CPU all the same
     gpu = choose_paths(small_config(dtype="float16"), torch.device("cuda", 0))
     assert gpu.source == "capability" and gpu.dtypes() == {torch.float16}
     assert not paths_cache_dir().exists()

@@ -252,6 +252,11 @@ def invariant_row_multiple(config: Config, dtype: torch.dtype, device: torch.dev
     return max_rows, f"measured: no multiple up to 16 rounds 1..{max_rows} rows alike; every step computes {max_rows}"
 
 
+def _batch_rows(config: Config) -> int:
+    """Rows a batched step is measured with: the server's max_num_seqs, at least 2 and at most 16."""
+    return max(2, min(config.server.max_num_seqs, 16))
+
+
 def _summary(estimates: dict[str, float]) -> str:
     return ", ".join(f"{name} {ms:.1f} ms" for name, ms in sorted(estimates.items(), key=lambda kv: kv[1]))
 
@@ -261,7 +266,7 @@ def measure_paths(config: Config, device: torch.device) -> ComputePaths:
     started = time.perf_counter()
     names = {dtype_name(d): d for d in candidates(TORCH_DTYPES[config.inference.dtype])}
     prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
-    batch_rows = max(2, min(config.server.max_num_seqs, 16))
+    batch_rows = _batch_rows(config)
     phases = {
         "prefill": (f"{prefill_rows} prompt rows through the layers",
                     lambda dtype, best: estimate_prefill_ms(config, prefill_rows, dtype, device, best)),
@@ -298,7 +303,7 @@ def _cache_path(config: Config) -> Path:
            "shapes": [m.num_hidden_layers, m.hidden_size, m.num_attention_heads, m.num_key_value_heads,
                       m.head_dim, m.intermediate_size, m.vocab_size],
            "prefill_rows": min(config.inference.input_len, PREFILL_ROWS_MAX),
-           "batch_rows": max(2, min(config.server.max_num_seqs, 16))}
+           "batch_rows": _batch_rows(config)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return paths_cache_dir() / f"paths-{digest}.json"
 
@@ -319,8 +324,12 @@ def choose_paths(config: Config, device: torch.device) -> ComputePaths:
     if device.type != "cpu" or len(candidates(weight_dtype)) == 1:
         reason = "capability: the GPU's tensor cores run the weights' dtype natively" if device.type != "cpu" \
             else "the weights' dtype (no other holds float32 values)"
+        multiple, multiple_reason = 1, "a GPU: not measured"
+        if device.type == "cpu":  # a few small products at the model's widths: milliseconds, not cached
+            multiple, multiple_reason = invariant_row_multiple(config, weight_dtype, device, _batch_rows(config))
         paths = ComputePaths(PhasePath(weight_dtype, reason), PhasePath(weight_dtype, reason),
-                             PhasePath(weight_dtype, reason), "capability")
+                             PhasePath(weight_dtype, reason), "capability", batch_row_multiple=multiple,
+                             batch_row_reason=multiple_reason)
     else:
         path = _cache_path(config)
         try:
