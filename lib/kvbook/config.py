@@ -109,7 +109,7 @@ class InferenceConfig:
     output_len: int = 128
     dtype: str = "float16"
     device: str = "cuda:0"
-    # "auto": bfloat16 for a float16 model on the CPU (no native float16 arithmetic there), else dtype
+    # "auto": the dtype kvbook.paths measures fastest for prefill on this machine (by capability on a GPU)
     prefill_dtype: str = "auto"
     # on a GPU, single-sequence decode steps replay captured CUDA graphs (kvbook.cuda_graph); ignored on the CPU
     cuda_graphs: bool = True
