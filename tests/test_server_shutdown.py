@@ -1,6 +1,6 @@
-"""A clean shutdown of a real `python -m kvbook serve` process (tiny model): SIGTERM mid-stream stops accepting
-connections, the running request finishes within the grace period (or, past it, ends with an error event), and
-the process exits 0."""
+"""A clean shutdown of a real `python -m kvbook serve` process (tiny model): SIGTERM or Ctrl-C mid-stream stops
+accepting connections, the running request finishes within the grace period (or, past it, ends with an error
+event), and the process exits 0."""
 
 import json
 import os
@@ -54,8 +54,11 @@ def stream_events(port: int, max_tokens: int, started: threading.Event, events: 
                     started.set()  # a token has arrived: the request is decoding
 
 
-@pytest.mark.parametrize("grace, max_tokens, finishes", [(60.0, 100, True), (0.0, 1000, False)])
-def test_sigterm_mid_stream_drains_then_exits_0(tmp_path, grace, max_tokens, finishes):
+@pytest.mark.parametrize("sig, grace, max_tokens, finishes", [
+    (signal.SIGTERM, 60.0, 100, True),
+    (signal.SIGINT, 0.0, 1000, False),  # Ctrl-C
+])
+def test_a_signal_mid_stream_drains_then_exits_0(tmp_path, sig, grace, max_tokens, finishes):
     port = free_port()
     process = start_server(tmp_path, grace, port)
     try:
@@ -63,7 +66,7 @@ def test_sigterm_mid_stream_drains_then_exits_0(tmp_path, grace, max_tokens, fin
         client = threading.Thread(target=stream_events, args=(port, max_tokens, started, events))
         client.start()
         assert started.wait(60), "the stream did not start"
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(sig)
         time.sleep(0.5)  # the handler runs in the server's event loop, between two of its steps
         with pytest.raises(requests.ConnectionError):  # it stopped accepting connections
             requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
