@@ -19,8 +19,8 @@ header. A request that could never fit (the positions, max_cache_len or the whol
 grace period and ends the rest with an error (GracefulServer).
 With [kv_cache] prefix_caching, a prompt that starts like an earlier one (a shared system prompt) reuses its
 blocks, and usage.prompt_tokens_details.cached_tokens says how many positions.
-When the environment variable named by [server].api_key_env is set, every request but /health needs
-"Authorization: Bearer <key>".
+When the environment variable named by [server].api_key_env is set, the routes under api_base's path need
+"Authorization: Bearer <key>" (/health, /metrics and /openapi.json never do).
 
 Logging (logger "kvbook.server", level INFO by default, `--log-level` to change): one line per decode step with
 the request id, the step, every layer's cache length and the step's milliseconds; one line per request with
