@@ -34,6 +34,7 @@ PHASES = ("prefill", "decode", "batched_decode")
 PATHS_VERSION = 2  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
+MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
 TIMED_ROWS_MAX = 8192  # a timed matrix has at most this many output rows (64 MiB in float16 at 4096 wide)
 PREFILL_ROWS_MAX = 64  # prefill is timed on at most this many prompt rows: the same kernels, sooner known
 
@@ -279,8 +280,10 @@ def measure_paths(config: Config, device: torch.device) -> ComputePaths:
     chosen = {}
     for phase, (what, estimate) in phases.items():
         estimates: dict[str, float] = {}
-        for name, dtype in names.items():
-            estimates[name] = estimate(dtype, min(estimates.values(), default=float("inf")))
+        for _ in range(MEASURE_ROUNDS):  # dtypes interleaved, the best of each kept: a machine whose speed
+            for name, dtype in names.items():  # drifts (other processes) weighs on every candidate alike
+                best_so_far = min(estimates.values(), default=float("inf"))
+                estimates[name] = min(estimates.get(name, float("inf")), estimate(dtype, best_so_far))
         best = min(estimates, key=estimates.get)
         note = ""
         if best != weights and estimates[weights] <= (1 + COPY_MARGIN) * estimates[best]:
