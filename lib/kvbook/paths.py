@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from .config import Config
 from .device import TORCH_DTYPES, synchronize
+from .weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
 PATHS_VERSION = 2  # bump when what is measured changes, so old choices are measured again
@@ -104,37 +105,37 @@ def fixed_paths(prefill: torch.dtype, decode: torch.dtype, batched: torch.dtype,
 
 # ---- what the machine is -----------------------------------------------------------------------------------
 
-def cpu_model() -> str:
-    """The CPU's model name as /proc/cpuinfo (Linux) or the platform reports it."""
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ("model name", "cpu family", "model", ...); empty off Linux."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break  # the first processor's block ends here
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo (Linux) or the platform reports it."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_identity() -> dict:
     """What decides which kernels run: the CPU (model name, family and model numbers), the instruction set torch
     dispatches to, torch's version and its thread count."""
-    family = model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("cpu family") and not family:
-                family = line.split(":", 1)[1].strip()
-            elif line.startswith("model\t") and not model:
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": cpu_model(), "family": family, "model": model,
+    info = _cpuinfo()
+    return {"cpu": cpu_model(), "family": info.get("cpu family", ""), "model": info.get("model", ""),
             "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
             "threads": torch.get_num_threads()}
 
 
 def paths_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvbook" / "paths"
+    """Beside the weights' cache ($XDG_CACHE_HOME/kvbook/paths): one measurement per machine, like the weights."""
+    return cache_dir().parent / "paths"
 
 
 # ---- measuring ---------------------------------------------------------------------------------------------
