@@ -31,7 +31,10 @@ def test_candidates_hold_the_weights_values():
     assert candidates(torch.float32) == [torch.float32]  # no lower precision for float32 weights
 
 
-def test_paths_are_measured_once_per_machine_and_cached(weight_cache):
+def test_paths_are_measured_once_per_machine_and_cached(weight_cache, monkeypatch):
+    from kvbook import paths
+
+    monkeypatch.setattr(paths, "_busy_cpu_seconds", lambda: 0.0)  # a quiet machine (a busy one: the next test)
     cfg = small_config(dtype="float16")
     first = choose_paths(cfg, CPU)
     assert first.source == "measured" and first.measured_s > 0
@@ -51,6 +54,24 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache):
     assert again.source == "cached" and again.to_json() | {"source": "measured", "measured_s": 0} == \
         first.to_json() | {"source": "measured", "measured_s": 0}
     assert len(first.describe()) == 5 and first.describe()[1].startswith("decode: ")
+
+
+def test_a_choice_timed_on_a_busy_machine_is_used_but_not_cached(weight_cache, monkeypatch):
+    from kvbook import paths
+
+    with paths.OthersLoad() as load:  # the real /proc/stat: a share of the machine
+        sum(range(10**6))
+    assert load.share is None or 0 <= load.share <= 1
+    monkeypatch.setattr(paths, "_busy_cpu_seconds", lambda: 0.0)  # a quiet machine: nobody else used a CPU
+    assert choose_paths(small_config(dtype="float16", layers=1), CPU).others_cpu_share == 0
+    busy_seconds = iter([0.0, 1e6])  # as if other processes had kept every CPU busy all the while
+    monkeypatch.setattr(paths, "_busy_cpu_seconds", lambda: next(busy_seconds))
+    busy = choose_paths(small_config(dtype="float16"), CPU)
+    assert busy.others_cpu_share > paths.BUSY_SHARE and busy.source == "measured on a busy machine, not cached"
+    assert len(list(paths_cache_dir().iterdir())) == 1  # the quiet one only
+    monkeypatch.setattr(paths, "_busy_cpu_seconds", lambda: 0.0)
+    assert choose_paths(small_config(dtype="float16"), CPU).source == "measured"  # measured again, then cached
+    assert len(list(paths_cache_dir().iterdir())) == 2
 
 
 def test_float32_weights_and_gpus_are_not_measured(weight_cache):

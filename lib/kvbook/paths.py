@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -32,12 +33,17 @@ from .device import TORCH_DTYPES, synchronize
 from .weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 2  # bump when what is measured changes, so old choices are measured again
+PATHS_VERSION = 3  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
 MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
 TIMED_ROWS_MAX = 8192  # a timed matrix has at most this many output rows (64 MiB in float16 at 4096 wide)
 PREFILL_ROWS_MAX = 64  # prefill is timed on at most this many prompt rows: the same kernels, sooner known
+# other processes' share of the machine's CPU time during a measurement above which its choice is not cached: timed
+# on a busy machine, a candidate can lose by chance (float16 prefill was once cached that way: a 50 s TTFT)
+BUSY_SHARE = 0.25
+
+log = logging.getLogger(__name__)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,12 +83,14 @@ class ComputePaths:
     split_reason: str = "not measured"
     batch_row_multiple: int = 1  # batched rows padded to a multiple of this (kvbook.linear.batch_invariant_rows)
     batch_row_reason: str = "not measured"
+    others_cpu_share: float | None = None  # other processes' share of the CPUs while measuring (None: unknown)
 
     def to_json(self) -> dict:
         return {"source": self.source, "measured_s": round(self.measured_s, 3),
                 **{phase: getattr(self, phase).to_json() for phase in PHASES},
                 "split_wide_rows": self.split_wide_rows, "split_reason": self.split_reason,
-                "batch_row_multiple": self.batch_row_multiple, "batch_row_reason": self.batch_row_reason}
+                "batch_row_multiple": self.batch_row_multiple, "batch_row_reason": self.batch_row_reason,
+                "others_cpu_share": self.others_cpu_share}
 
     def describe(self) -> list[str]:
         """One line per phase: 'decode: float32 (measured, one row ...: float32 61.0 ms, float16 75.2 ms)'."""
@@ -131,6 +139,33 @@ def cpu_identity() -> dict:
     return {"cpu": cpu_model(), "family": info.get("cpu family", ""), "model": info.get("model", ""),
             "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
             "threads": torch.get_num_threads()}
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds every process has used since boot, from /proc/stat (None off Linux)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OthersLoad:
+    """Measures, over a with-block, the share of the machine's CPUs that other processes used (0: a quiet
+    machine, 1: every CPU busy with something else); share is None where /proc/stat is missing."""
+
+    def __enter__(self):
+        self.share = None
+        self._start = (_busy_cpu_seconds(), time.process_time(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc):
+        busy, own, wall = self._start
+        if busy is not None:
+            others = (_busy_cpu_seconds() - busy) - (time.process_time() - own)
+            self.share = round(max(0.0, others) / ((time.perf_counter() - wall) * (os.cpu_count() or 1)), 3)
+        return False
 
 
 def paths_cache_dir() -> Path:
@@ -264,7 +299,14 @@ def _summary(estimates: dict[str, float]) -> str:
 
 
 def measure_paths(config: Config, device: torch.device) -> ComputePaths:
-    """Time every candidate dtype on this model's matrix shapes, per phase (seconds on a CPU, once per machine)."""
+    """Time every candidate dtype on this model's matrix shapes, per phase (seconds on a CPU, once per machine),
+    noting how busy other processes kept the machine meanwhile."""
+    with OthersLoad() as load:
+        paths = _measure_paths(config, device)
+    return dataclasses.replace(paths, others_cpu_share=load.share)
+
+
+def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
     started = time.perf_counter()
     names = {dtype_name(d): d for d in candidates(TORCH_DTYPES[config.inference.dtype])}
     prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
@@ -317,7 +359,7 @@ def _from_json(data: dict, source: str) -> ComputePaths:
                                data[phase].get("estimated_ms", {})) for phase in PHASES}
     return ComputePaths(**phases, source=source, measured_s=0.0, split_wide_rows=data["split_wide_rows"],
                         split_reason=data["split_reason"], batch_row_multiple=data["batch_row_multiple"],
-                        batch_row_reason=data["batch_row_reason"])
+                        batch_row_reason=data["batch_row_reason"], others_cpu_share=data.get("others_cpu_share"))
 
 
 def choose_paths(config: Config, device: torch.device) -> ComputePaths:
@@ -340,10 +382,15 @@ def choose_paths(config: Config, device: torch.device) -> ComputePaths:
             paths = _from_json(json.loads(path.read_text()), "cached")
         except (OSError, ValueError, KeyError):
             paths = measure_paths(config, device)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".partial-{os.getpid()}")
-            partial.write_text(json.dumps({"machine": cpu_identity(), **paths.to_json()}, indent=1))
-            os.replace(partial, path)
+            if (paths.others_cpu_share or 0.0) > BUSY_SHARE:
+                log.warning("other processes used %.0f%% of the CPUs while kvbook timed its compute paths: the choice "
+                            "is used by this process only and measured again next time", 100 * paths.others_cpu_share)
+                paths = dataclasses.replace(paths, source="measured on a busy machine, not cached")
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(f".partial-{os.getpid()}")
+                partial.write_text(json.dumps({"machine": cpu_identity(), **paths.to_json()}, indent=1))
+                os.replace(partial, path)
     if pinned != "auto":
         paths = dataclasses.replace(paths, prefill=PhasePath(TORCH_DTYPES[pinned],
                                                              "pinned by [inference] prefill_dtype"))
