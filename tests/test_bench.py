@@ -26,6 +26,9 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
         assert out[key] > 0, key
     assert out["kv_cache_bytes"] == out["kv_cache_bytes_formula"] == 2 * 1 * 2 * 16 * 256 * 4
     floors = out["floors"]
+    # the plain read is measured before the runs and after the round; the floor uses the best
+    assert len(floors["read_gbps_samples"]) == 2
+    assert floors["read_gbps"] == pytest.approx(max(floors["read_gbps_samples"]), abs=0.01)
     assert floors["decode_weight_bytes"] == decode_weight_bytes(load_config("config.toml", TINY_SETTINGS))
     assert floors["decode_kv_bytes"] == 2 * 1 * 2 * 16 * 4 * (256 + 1.5)  # the mean of 2 steps' positions
     assert out["memory_floor_ms"] == pytest.approx(
@@ -98,9 +101,12 @@ def test_batch_sweep_reports_tokens_per_second_per_batch_size(tmp_path):
     import os
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     result = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--batch-sweep", "1,3", "--steps", "2",
-                             "--json", *TINY], capture_output=True, text=True, timeout=600, env=env)
+                             "--json", *TINY, "--set", "inference.prefill_dtype=bfloat16"],
+                            capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(result.stdout)["sweep"]
+    sweep = json.loads(result.stdout)
+    assert sweep["batch_dtype"] == "float32"  # the batched step's dtype, not prefill's (pinned to bfloat16 here)
+    rows = sweep["sweep"]
     assert [r["batch_size"] for r in rows] == [1, 3]
     for r in rows:
         assert abs(r["tokens_per_s"] - r["batch_size"] * 1e3 / r["tpot_ms"]) < 1e-6

@@ -10,7 +10,7 @@ import torch
 from kvbook import quant
 from kvbook.config import Config, ConfigError, KVCacheConfig, ModelConfig, kv_cache_bytes, load_config
 from kvbook.engine import Engine
-from kvbook.linear import Linear
+from kvbook.linear import Linear, weight_bytes_kept
 from kvbook.paged_cache import BlockPool, blocks_for_budget
 from kvbook.scheduler import Scheduler
 from kvbook.weights import wait_for_saves
@@ -95,6 +95,9 @@ def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cach
     assert floating == 4 * (cfg.model.vocab_size * cfg.model.hidden_size + sum(
         p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight")))
     assert quant.quantized_weight_bytes(model) == matrices + floating
+    # what the model keeps: also each int8 layer's floating prefill copy, if it has one (the bench's RSS ratio)
+    copies = sum(m.prefill_weight.nbytes for m in int8 if m.prefill_weight is not None)
+    assert weight_bytes_kept(model) == matrices + floating + copies
 
 
 def test_int8_matrices_are_cached_beside_the_random_weights(weight_cache):

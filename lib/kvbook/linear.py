@@ -125,11 +125,15 @@ def add_copies(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def weight_bytes_kept(model: nn.Module) -> int:
-    """Bytes of every tensor the model keeps for its weights: the parameters (the article's values), their
-    arithmetic copies and column blocks, each storage counted once (a tied lm_head is the embedding)."""
-    tensors = list(model.parameters())
-    for module in linears(model):
-        tensors += list(module.copies.values()) + [b for blocks in module.blocks.values() for b in blocks]
+    """Bytes of every tensor the model keeps for its weights: the parameters (the article's values), the buffers
+    (an int8 layer's matrix and scales, kvbook.quant), and the arithmetic copies and column blocks (an int8 layer's
+    floating prefill copy), each storage counted once (a tied lm_head is the embedding)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        tensors += list(getattr(module, "copies", {}).values())
+        tensors += [b for blocks in getattr(module, "blocks", {}).values() for b in blocks]
+        if isinstance(getattr(module, "prefill_weight", None), torch.Tensor):
+            tensors.append(module.prefill_weight)
     seen, total = set(), 0
     for tensor in tensors:
         key = (tensor.untyped_storage().data_ptr(), tensor.device)
