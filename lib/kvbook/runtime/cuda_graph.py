@@ -23,7 +23,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .kv_cache import BucketedCache, KVCache
+from ..cache.contiguous import BucketedCache, KVCache
 
 
 def wanted(config, device: torch.device) -> bool:
@@ -33,7 +33,8 @@ def wanted(config, device: torch.device) -> bool:
 
 
 class GraphedDecoder:
-    """Fixed-shape decode for one sequence at a time on the engine's contiguous cache (kvbook.engine.Engine.stream).
+    """Fixed-shape decode for one sequence at a time on the engine's contiguous cache
+    (kvbook.runtime.engine.Engine.stream).
 
     capture: record and replay CUDA graphs (default: on a CUDA device); False runs the same step eagerly."""
 

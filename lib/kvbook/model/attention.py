@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import ModelConfig
-from .kv_cache import LayerKVCache
+from ..cache.contiguous import LayerKVCache
+from ..config import ModelConfig
 from .linear import Linear
 from .norm import RMSNorm
 from .probe import Probe

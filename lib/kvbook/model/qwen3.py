@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..cache.contiguous import BucketedCache, KVCache
+from ..config import ModelConfig
 from .attention import Attention
-from .config import ModelConfig
-from .kv_cache import BucketedCache, KVCache
 from .linear import Linear
 from .mlp import MLP
 from .norm import RMSNorm
@@ -43,7 +43,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=None, device=None):
         super().__init__()
         self.cfg = cfg
-        # _weight: no random init here, the weights come from kvbook.weights
+        # _weight: no random init here, the weights come from kvbook.model.weights
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                                              device=device))
@@ -54,14 +54,14 @@ class Qwen3Model(nn.Module):
                 compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """input_ids [1, T], positions [T] -> final-normed hidden states [1, T, hidden].
         Batched decode: input_ids [B, 1], positions [B] (one per sequence) and cache a list of B caches.
-        compute_dtype: the activations' dtype (default: the weights'); see kvbook.linear."""
+        compute_dtype: the activations' dtype (default: the weights'); see kvbook.model.linear."""
         x = self.embed_tokens(input_ids)  # [1, T, 4096]
         x = x.to(compute_dtype or x.dtype)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [T, 128]
         if isinstance(cache, list):  # one position per sequence, each with its own angle: [B, 1, 1, 128]
             cos, sin, mask = cos[:, None, None], sin[:, None, None], None
             layer_caches = [[sequence[i] for sequence in cache] for i in range(len(self.layers))]
-        elif isinstance(cache, BucketedCache):  # a fixed-shape decode step (kvbook.cuda_graph)
+        elif isinstance(cache, BucketedCache):  # a fixed-shape decode step (kvbook.runtime.cuda_graph)
             mask = cache.decode_mask()  # [S], S = the bucket of positions attention reads
             layer_caches = cache.layers
         else:

@@ -13,7 +13,8 @@ prompt no longer stalls everyone's next token for its whole prefill. Its first t
 
 A sequence's tokens do not depend on its neighbours: each row of a decode step attends to its own cache, and
 the step computes in one dtype whatever the batch size (Engine.batch_dtype, measured for the machine by
-kvbook.paths), and its rows are padded as kvbook.paths measured (kvbook.linear.batch_invariant_rows). With
+kvbook.runtime.paths), and its rows are padded as kvbook.runtime.paths measured
+(kvbook.model.linear.batch_invariant_rows). With
 max_num_seqs = 1 there is never a batch and decode runs in the lone step's dtype (Engine.decode_dtype), as
 Engine.stream does. Explained in chapter 11 ("Tuning the service").
 """
@@ -27,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import Engine, Generation, Step, make_step
-from .linear import batch_invariant_rows
-from .paged_cache import PagedKVCache
+from ..cache.paged import PagedKVCache
+from ..model.linear import batch_invariant_rows
+from ..tokenizer import EOS_IDS
 from .sampling import sample_next
-from .tokenizer import EOS_IDS
+from .sequence import Generation, Step, make_step
 
 
 @dataclass(eq=False)
@@ -84,13 +85,16 @@ class BatchStep:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_num_seqs: int, record_timeline: bool = False, prefill_chunk: int = 0):
+    """Runs the requests of one kvbook.runtime.engine.Engine (given, not imported: the engine builds a scheduler
+    for generate_batch)."""
+
+    def __init__(self, engine, max_num_seqs: int, record_timeline: bool = False, prefill_chunk: int = 0):
         if not engine.config.kv_cache.enable:
             raise ValueError("batched generation needs the KV cache; set kv_cache.enable = true")
         self.engine = engine
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
-        self.decode_dtype = engine.batch_dtype if max_num_seqs > 1 else engine.decode_dtype  # kvbook.paths
+        self.decode_dtype = engine.batch_dtype if max_num_seqs > 1 else engine.decode_dtype  # kvbook.runtime.paths
         if max_num_seqs > 1:
             engine.prepare_batched_decode()
         self.waiting: deque[Sequence] = deque()
@@ -181,7 +185,7 @@ class Scheduler:
         device = self.engine.device
         ids = torch.tensor([[seq.steps[-1].token_id] for seq in batch], device=device)  # [B, 1]
         positions = torch.tensor([seq.cache.length for seq in batch], device=device)  # [B]
-        # rows padded as kvbook.paths measured, so that a row's numbers do not depend on its neighbours
+        # rows padded as kvbook.runtime.paths measured, so that a row's numbers do not depend on its neighbours
         invariant = batch_invariant_rows(self.engine.paths.batch_row_multiple) if self.max_num_seqs > 1 \
             else contextlib.nullcontext()
         with torch.inference_mode(), invariant:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 PREFILL_COLOR = "#9ecae1"
 DECODE_COLOR = "#fdae6b"
