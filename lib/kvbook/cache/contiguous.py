@@ -13,6 +13,7 @@ import torch
 
 from ..config import KVCacheConfig, ModelConfig
 from ..device import TORCH_DTYPES
+from ..model.forward_batch import ForwardBatch, causal_mask
 from . import kv_quant
 
 
@@ -102,6 +103,19 @@ class LayeredCache:
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]
 
+    def forward_batch(self, new: int, device) -> ForwardBatch:
+        """How a pass of `new` positions after the ones held uses this cache: each layer appends to its own, and
+        the new positions attend causally ([new, length + new] mask; None for one new position)."""
+        return ForwardBatch([self[i] for i in range(len(self.layers))], causal_mask(new, self.length + new, device))
+
+    # what a paged cache has (kvbook.cache.paged), trivial for a contiguous one: callers need not ask which it is
+    num_blocks: int | None = None  # blocks held; None: not paged
+    block_table: list[int] | None = None  # the blocks' ids, in order; None: not paged
+
+    def free(self) -> None:
+        """Give the cache's memory back for other sequences: a paged cache returns its blocks to the pool; a
+        contiguous one goes with its last reference."""
+
 
 class KVCache(LayeredCache):
     """One LayerKVCache per decoder layer: K0, V0, K1, V1, K2, V2 for the article's model."""
@@ -156,3 +170,8 @@ class BucketedCache(LayeredCache):
     def decode_mask(self) -> torch.Tensor:
         """[bucket], True where the query may NOT look: the positions after the one being written."""
         return self.columns > self.position
+
+    def forward_batch(self, new: int, device) -> ForwardBatch:
+        """A fixed-shape decode step: one new position, written at the position tensor, reading the whole bucket
+        with the positions after it masked ([S], S = the bucket)."""
+        return ForwardBatch(self.layers, self.decode_mask())

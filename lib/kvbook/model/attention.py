@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache.contiguous import LayerKVCache
 from ..config import ModelConfig
 from .linear import Linear
 from .norm import RMSNorm
@@ -46,15 +45,16 @@ class Attention(nn.Module):
         self.attn_weights = Probe()  # [1, 32, T, S], the softmax over positions
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerKVCache | list | None, mask: torch.Tensor | None) -> torch.Tensor:
-        """cache: one layer's cache, or for a batched decode step a list with one per sequence (x [B, 1, 4096])."""
+                cache, mask: torch.Tensor | None, per_row: bool = False) -> torch.Tensor:
+        """cache: this layer's cache (None: no cache), or with per_row (a batched decode step, x [B, 1, 4096]) a list
+        with one per sequence, row b appending to and reading cache[b] (kvbook.model.forward_batch)."""
         batch, length, _ = x.shape  # x [1, T, 4096]; T = 256 in prefill, 1 in decode
         q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim))  # [1, T, 32, 128]
         k = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim))  # [1, T, 32, 128]
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)  # [1, T, 32, 128]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, 32, T, 128]
         q, k = self.rope(q, k, cos, sin)  # RoPE before caching: the cache holds rotated keys
-        if isinstance(cache, list):  # batched decode: each sequence appends to and reads its own history
+        if per_row:  # batched decode: each sequence appends to and reads its own history
             out = torch.cat([self._attend(q[b:b + 1], *layer_cache.append(k[b:b + 1], v[b:b + 1]), None)
                              for b, layer_cache in enumerate(cache)])  # [B, 32, 1, 128]
         else:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache.contiguous import BucketedCache, KVCache
 from ..config import ModelConfig
 from .attention import Attention
+from .forward_batch import ForwardBatch, causal_mask  # noqa: F401 - causal_mask: chapter 3 imports it from here
 from .linear import Linear
 from .mlp import MLP
 from .norm import RMSNorm
@@ -26,17 +26,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
 
-    def forward(self, x, cos, sin, cache, mask):  # x [1, T, 4096]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)  # residual add
+    def forward(self, x, cos, sin, cache, mask, per_row=False):  # x [1, T, 4096]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, per_row)  # residual add
         return x + self.mlp(self.post_attention_layernorm(x))  # [1, T, 4096]
-
-
-def causal_mask(new: int, total: int, device) -> torch.Tensor | None:
-    """True where a query may NOT look: new queries sit at the last `new` of `total` positions.
-    None for a single new position, which may look at everything before it."""
-    if new == 1:
-        return None
-    return torch.ones(new, total, dtype=torch.bool, device=device).triu(total - new + 1)  # [T, S]
 
 
 class Qwen3Model(nn.Module):
@@ -50,26 +42,20 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | list | None,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch=None,
                 compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """input_ids [1, T], positions [T] -> final-normed hidden states [1, T, hidden].
-        Batched decode: input_ids [B, 1], positions [B] (one per sequence) and cache a list of B caches.
+        batch: a ForwardBatch (kvbook.model.forward_batch), or what one is made of: None (no cache), a cache, or for
+        a batched decode step (input_ids [B, 1], positions [B], one per sequence) a list of B caches.
         compute_dtype: the activations' dtype (default: the weights'); see kvbook.model.linear."""
         x = self.embed_tokens(input_ids)  # [1, T, 4096]
         x = x.to(compute_dtype or x.dtype)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [T, 128]
-        if isinstance(cache, list):  # one position per sequence, each with its own angle: [B, 1, 1, 128]
-            cos, sin, mask = cos[:, None, None], sin[:, None, None], None
-            layer_caches = [[sequence[i] for sequence in cache] for i in range(len(self.layers))]
-        elif isinstance(cache, BucketedCache):  # a fixed-shape decode step (kvbook.runtime.cuda_graph)
-            mask = cache.decode_mask()  # [S], S = the bucket of positions attention reads
-            layer_caches = cache.layers
-        else:
-            history = cache.length if cache is not None else 0
-            mask = causal_mask(input_ids.shape[1], history + input_ids.shape[1], x.device)  # [T, S]
-            layer_caches = [cache[i] if cache is not None else None for i in range(len(self.layers))]
-        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
-            x = layer(x, cos, sin, layer_cache, mask)  # [1, T, 4096]
+        batch = ForwardBatch.of(batch, len(self.layers), input_ids.shape[1], x.device)
+        if batch.per_row:  # one position per sequence, each with its own angle: [B, 1, 1, 128]
+            cos, sin = cos[:, None, None], sin[:, None, None]
+        for layer, layer_cache in zip(self.layers, batch.layer_caches, strict=True):
+            x = layer(x, cos, sin, layer_cache, batch.mask, batch.per_row)  # [1, T, 4096]
         return self.norm(x)
 
 
@@ -82,10 +68,11 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | list | None = None,
-                last_only: bool = True, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """-> logits [B, 1, vocab] for the last position (what generation needs), or [B, T, vocab]."""
-        hidden = self.model(input_ids, positions, cache, compute_dtype)  # [1, T, 4096]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch=None, last_only: bool = True,
+                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """-> logits [B, 1, vocab] for the last position (what generation needs), or [B, T, vocab].
+        batch: a ForwardBatch, a cache, a list of caches or None, as Qwen3Model.forward takes."""
+        hidden = self.model(input_ids, positions, batch, compute_dtype)  # [1, T, 4096]
         if last_only:
             hidden = hidden[:, -1:]  # [1, 1, 4096]: lm_head's 622M parameters run on one position only
         return self.lm_head(hidden)  # [1, 1, 151936]

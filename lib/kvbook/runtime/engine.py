@@ -181,8 +181,8 @@ class Engine:
         finally:
             if graphed:
                 self.decoder.release()
-            if isinstance(cache, PagedKVCache):
-                cache.free()  # the blocks go back to the pool, also when the caller stops early
+            if cache is not None:
+                cache.free()  # a paged cache's blocks go back to the pool, also when the caller stops early
 
     def _steps(self, cache, input_ids, max_new_tokens, temperature, top_p, generator, ignore_eos, tracer):
         tokens = list(input_ids)  # the prompt, then every generated token

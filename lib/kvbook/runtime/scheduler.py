@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.paged import PagedKVCache
+from ..model.forward_batch import ForwardBatch
 from ..model.linear import batch_invariant_rows
 from ..tokenizer import EOS_IDS
 from .sampling import sample_next
@@ -189,7 +189,7 @@ class Scheduler:
         invariant = batch_invariant_rows(self.engine.paths.batch_row_multiple) if self.max_num_seqs > 1 \
             else contextlib.nullcontext()
         with torch.inference_mode(), invariant:
-            logits = self.engine.model(ids, positions, [seq.cache for seq in batch],
+            logits = self.engine.model(ids, positions, ForwardBatch.per_row_decode([seq.cache for seq in batch]),
                                        compute_dtype=self.decode_dtype)  # [B, 1, vocab]
         return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator) for b, seq in enumerate(batch)]
 
@@ -220,8 +220,8 @@ class Scheduler:
         for seq in finished:
             if seq in self.running:
                 self.running.remove(seq)
-            if isinstance(seq.cache, PagedKVCache):
-                seq.cache.free()
+            if seq.cache is not None:
+                seq.cache.free()  # a paged cache's blocks go back to the pool
             seq.cache = None  # a contiguous cache's memory goes with it
 
     def _record(self, phase: str, ms: float, batch: list[Sequence]) -> None:
@@ -231,4 +231,4 @@ class Scheduler:
         self.timeline.append(BatchStep(
             len(self.timeline), phase, ms, tuple(s.seq_id for s in batch),
             {s.seq_id: s.cache.length for s in live},
-            {s.seq_id: tuple(s.cache.block_table) for s in live if isinstance(s.cache, PagedKVCache)}))
+            {s.seq_id: tuple(s.cache.block_table) for s in live if s.cache.block_table is not None}))

@@ -7,8 +7,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from ..cache.paged import PagedKVCache
-
 
 @dataclass(frozen=True)
 class Step:
@@ -54,5 +52,4 @@ def make_step(index: int, phase: str, token: int, ms: float, cache, positions_co
     """A Step with the cache's state after it (cache None: the cache is disabled)."""
     if cache is None:
         return Step(index, phase, token, ms, 0, positions_computed)
-    blocks = cache.num_blocks if isinstance(cache, PagedKVCache) else None
-    return Step(index, phase, token, ms, cache.length, positions_computed, tuple(cache.lengths()), blocks)
+    return Step(index, phase, token, ms, cache.length, positions_computed, tuple(cache.lengths()), cache.num_blocks)
