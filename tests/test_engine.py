@@ -88,7 +88,7 @@ def test_requests_the_cache_cannot_hold_are_refused_before_any_work(weight_cache
 
 def test_eos_stops_unless_ignored(engine, monkeypatch):
     greedy = engine.generate(PROMPT, 6, ignore_eos=True).output_ids
-    monkeypatch.setattr("kvbook.runtime.engine.EOS_IDS", frozenset({greedy[1]}))  # pretend the 2nd token is EOS
+    monkeypatch.setattr("kvbook.runtime.sequence.EOS_IDS", frozenset({greedy[1]}))  # pretend the 2nd token is EOS
     stopped = engine.generate(PROMPT, 6)
     assert stopped.output_ids == greedy[:2] and stopped.finish_reason == "stop"
     assert stopped.cache_len == 12 + 1

@@ -13,7 +13,8 @@ _notified: set[str] = set()
 
 
 def enable_huge_pages() -> None:
-    """Large tensors in transparent huge pages: drawing the 1.85B random weights is ~1.7x faster (fewer page faults).
+    """Large tensors in transparent huge pages: drawing the 1.85B random weights is faster (fewer page faults;
+    BENCHMARKS.md, "Numbers from code comments").
 
     PyTorch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at the process's first CPU tensor allocation, so a
     call after that changes nothing. It cannot be set late: the entry points call this first (kvbook.tools.cli.main,

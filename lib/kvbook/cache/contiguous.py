@@ -42,7 +42,8 @@ class LayerKVCache:
         # Stored position-major, [1, 4096, 32, 128], and seen through a transpose as [1, 32, 4096, 128]: a new
         # sequence's positions then fill consecutive memory. Head-major storage puts each head's first positions
         # 1 MiB apart, and with transparent huge pages the first write to a fresh cache faulted in 192 pages of
-        # 2 MiB: 50-200 ms of TTFT on the 2-core CPU. Empty, not zeros: only the filled part [:length] is read.
+        # 2 MiB, which cost TTFT (BENCHMARKS.md, "Numbers from code comments"). Empty, not zeros: only the filled
+        # part [:length] is read.
         storage = (batch, max_len, kv_heads, head_dim)
         self.k = torch.empty(storage, dtype=dtype, device=device).transpose(1, 2)  # [1, 32, 4096, 128]
         self.v = torch.empty(storage, dtype=dtype, device=device).transpose(1, 2)

@@ -2,6 +2,9 @@
 
 Module names mirror transformers' Qwen3ForCausalLM (model.embed_tokens, model.layers.0.self_attn.q_proj,
 ..., lm_head), so a Hugging Face checkpoint loads by name. Explained in chapters 2-5.
+
+Shapes: B sequences, T new positions, C = hidden_size, D = head_dim, V = vocab_size (the article's model:
+C = 4096, D = 128, V = 151936; 256 prompt positions in prefill, 1 per decode step).
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
 
-    def forward(self, x, cos, sin, cache, mask, per_row=False):  # x [1, T, 4096]
+    def forward(self, x, cos, sin, cache, mask, per_row=False):  # x [B, T, C]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, per_row)  # residual add
-        return x + self.mlp(self.post_attention_layernorm(x))  # [1, T, 4096]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, C]
 
 
 class Qwen3Model(nn.Module):
@@ -44,18 +47,18 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch=None,
                 compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """input_ids [1, T], positions [T] -> final-normed hidden states [1, T, hidden].
+        """input_ids [1, T], positions [T] -> final-normed hidden states [1, T, C].
         batch: a ForwardBatch (kvbook.model.forward_batch), or what one is made of: None (no cache), a cache, or for
         a batched decode step (input_ids [B, 1], positions [B], one per sequence) a list of B caches.
         compute_dtype: the activations' dtype (default: the weights'); see kvbook.model.linear."""
-        x = self.embed_tokens(input_ids)  # [1, T, 4096]
+        x = self.embed_tokens(input_ids)  # [B, T, C]
         x = x.to(compute_dtype or x.dtype)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [T, 128]
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [T, D]
         batch = ForwardBatch.of(batch, len(self.layers), input_ids.shape[1], x.device)
-        if batch.per_row:  # one position per sequence, each with its own angle: [B, 1, 1, 128]
+        if batch.per_row:  # one position per sequence, each with its own angle: [B, 1, 1, D]
             cos, sin = cos[:, None, None], sin[:, None, None]
         for layer, layer_cache in zip(self.layers, batch.layer_caches, strict=True):
-            x = layer(x, cos, sin, layer_cache, batch.mask, batch.per_row)  # [1, T, 4096]
+            x = layer(x, cos, sin, layer_cache, batch.mask, batch.per_row)  # [B, T, C]
         return self.norm(x)
 
 
@@ -72,7 +75,7 @@ class Qwen3ForCausalLM(nn.Module):
                 compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> logits [B, 1, vocab] for the last position (what generation needs), or [B, T, vocab].
         batch: a ForwardBatch, a cache, a list of caches or None, as Qwen3Model.forward takes."""
-        hidden = self.model(input_ids, positions, batch, compute_dtype)  # [1, T, 4096]
+        hidden = self.model(input_ids, positions, batch, compute_dtype)  # [B, T, C]
         if last_only:
-            hidden = hidden[:, -1:]  # [1, 1, 4096]: lm_head's 622M parameters run on one position only
-        return self.lm_head(hidden)  # [1, 1, 151936]
+            hidden = hidden[:, -1:]  # [B, 1, C]: lm_head (C x V parameters) runs on one position only
+        return self.lm_head(hidden)  # [B, 1, V]

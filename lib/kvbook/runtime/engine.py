@@ -31,11 +31,11 @@ from ..model.weights import (
     load_random_weights,
     prefill_copies,
 )
-from ..tokenizer import EOS_IDS
 from . import cuda_graph
+from .inputs import prepare_decode
 from .paths import ComputePaths, choose_paths
 from .sampling import sample_next
-from .sequence import Generation, make_step
+from .sequence import Generation, finish_reason, make_step, positions_needed
 
 
 class Engine:
@@ -142,7 +142,7 @@ class Engine:
             raise ValueError("the prompt is empty; give at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
-        needed = prompt_len + max_new_tokens - 1  # the last generated token is never fed back
+        needed = positions_needed(prompt_len, max_new_tokens)  # the last generated token is never fed back
         limit = self.config.model.max_position_embeddings
         if needed > limit:
             raise ValueError(f"{prompt_len} prompt + {max_new_tokens} new tokens need {needed} positions but "
@@ -194,18 +194,18 @@ class Engine:
                 if index == 0 and cache is not None:  # prefill: every prompt position not in the prefix cache
                     logits, reused = self.prefill(cache, tokens)  # [1, 1, 151936]
                     computed = prompt_len - reused
-                else:
-                    if cache is None:  # no cache: compute every position so far, again
-                        ids, first, compute_dtype = tokens, 0, self.prefill_dtype  # 256 + index positions
-                    else:  # decode: only the token generated last, at the next position
-                        ids, first, compute_dtype = tokens[-1:], len(tokens) - 1, self.decode_dtype
+                elif cache is None:  # no cache: compute every position so far, again (256 + index positions)
+                    logits = self.model(torch.tensor([tokens], device=self.device),
+                                        torch.arange(0, len(tokens), device=self.device), None,
+                                        compute_dtype=self.prefill_dtype)  # [1, 1, 151936]
+                    computed = len(tokens)
+                else:  # decode: only the token generated last, at the next position
                     if self.decoder is not None and cache is self.decoder.cache:
                         logits = self.decoder.step(tokens[-1])  # the same step, replayed from a CUDA graph
                     else:
-                        logits = self.model(torch.tensor([ids], device=self.device),
-                                            torch.arange(first, len(tokens), device=self.device), cache,
-                                            compute_dtype=compute_dtype)  # [1, 1, 151936]
-                    computed = len(ids)
+                        ids, positions, batch = prepare_decode(tokens[-1:], [cache], self.device)  # [1, 1], [1]
+                        logits = self.model(ids, positions, batch, compute_dtype=self.decode_dtype)  # [1, 1, 151936]
+                    computed = 1
                 token = sample_next(logits[0, -1], temperature, top_p, generator)
                 synchronize(self.device)
                 ms = (time.perf_counter() - started) * 1e3
@@ -215,7 +215,7 @@ class Engine:
             if tracer:
                 tracer.add_step(step, prompt_len)
             yield step
-            if token in EOS_IDS and not ignore_eos:
+            if finish_reason(token, index + 1, max_new_tokens, ignore_eos) is not None:
                 return
             tokens.append(token)
 
@@ -241,5 +241,6 @@ class Engine:
         """Run stream() to the end. options: temperature, top_p, seed, ignore_eos, tracer."""
         steps = list(self.stream(input_ids, max_new_tokens, **options))
         output_ids = [step.token_id for step in steps]
-        stopped = output_ids[-1] in EOS_IDS and not options.get("ignore_eos", False)
-        return Generation(list(input_ids), output_ids, "stop" if stopped else "length", steps)
+        # the stream ended on the stop rule or at its length
+        reason = finish_reason(output_ids[-1], len(output_ids), len(output_ids), options.get("ignore_eos", False))
+        return Generation(list(input_ids), output_ids, reason, steps)

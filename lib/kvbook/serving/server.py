@@ -54,7 +54,8 @@ from ..cache.contiguous import CacheFullError
 from ..cache.memory import kv_cache_bytes
 from ..config import Config
 from ..runtime.engine import Engine
-from ..runtime.scheduler import Scheduler, Sequence
+from ..runtime.scheduler import Scheduler
+from ..runtime.sequence import Sequence
 from ..tokenizer import EOS_IDS, Tokenizer, get_default_tokenizer
 from .metrics import ServerMetrics
 from .protocol import (
@@ -410,7 +411,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None, record_timeli
                     raise step
                 run.record(step, ticket.sequence)
                 piece = text.add(step.token_id)
-                if step.token_id in EOS_IDS and not sampling.ignore_eos:
+                if ticket.sequence.stops_on(step.token_id):
                     run.finish_reason = "stop"
                 if text.stopped:
                     run.finish_reason = "stop"

@@ -505,6 +505,9 @@ def format_table(r: dict) -> str:
 def main(argv: list[str]) -> None:
     """Worker entry point: python -m kvbook.tools.bench ROLE CONFIG REPEATS STEPS [OVERRIDES...]"""
     from ..config import load_config
+    from ..device import enable_huge_pages
+
+    enable_huge_pages()  # before the worker allocates anything, as `python -m kvbook` does (kvbook.device)
 
     role, config_path, repeats, steps, *overrides = argv
     config = load_config(config_path, overrides)
