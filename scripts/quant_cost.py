@@ -6,7 +6,7 @@ separately, against the float engine with the same weights.
 Two models: the book's full-size random one (float16, the article's), and a small float32 Qwen3 checkpoint that
 transformers writes with save_pretrained (4 layers, hidden 256) and kvbook loads (--checkpoint). For each:
 the reference greedy run of `steps` tokens after the 256-token scenario prompt; each variant fed the reference's
-tokens (teacher forcing, kvbook.quant.teacher_forced_logits) gives logits at the same positions: the largest
+tokens (teacher forcing, kvbook.model.quant.teacher_forced_logits) gives logits at the same positions: the largest
 absolute logit error, that error over the logits' spread (their standard deviation over the vocabulary), and the
 KL divergence of the next-token distributions (mean and max over positions); then each variant's own greedy run,
 and how many of its tokens equal the reference's (and the first step where one differs). Greedy tokens of random
@@ -18,11 +18,11 @@ import tempfile
 import time
 
 import torch
-from kvbook import quant
 from kvbook.config import load_config
-from kvbook.engine import Engine
+from kvbook.model import quant
+from kvbook.runtime.engine import Engine
 from kvbook.tokenizer import build_prompt_ids
-from kvbook.trace import Tracer
+from kvbook.tools.trace import Tracer
 
 
 def measure(reference: Engine, variants: dict[str, Engine], prompt: list[int], steps: int) -> dict:
@@ -71,7 +71,7 @@ def full_size(steps: int) -> dict:
 
 def small_checkpoint(steps: int) -> dict:
     from kvbook.config import ModelConfig
-    from kvbook.reference import hf_config
+    from kvbook.tools.reference import hf_config
     from transformers import Qwen3ForCausalLM
 
     model_cfg = ModelConfig(name="small", num_hidden_layers=4, hidden_size=256, num_attention_heads=8,

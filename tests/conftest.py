@@ -1,5 +1,8 @@
 import pytest
 from kvbook.config import Config, InferenceConfig, KVCacheConfig, ModelConfig
+from kvbook.device import enable_huge_pages
+
+enable_huge_pages()  # as the CLI and the book do: before the tests allocate anything
 
 
 def small_config(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, tied=False, dtype="float32",

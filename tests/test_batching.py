@@ -3,7 +3,7 @@ cache exactly what it would be alone (float32), per-sequence stop, with the cont
 
 import pytest
 import torch
-from kvbook.engine import Engine
+from kvbook.runtime.engine import Engine
 
 from .conftest import small_config
 
@@ -48,7 +48,7 @@ def test_batched_logits_match_single_sequence_logits(engine):
 
 def test_each_sequence_stops_on_its_own(engine, monkeypatch):
     alone = engine.generate(PROMPTS[1], 10, ignore_eos=True).output_ids
-    monkeypatch.setattr("kvbook.scheduler.EOS_IDS", frozenset({alone[3]}))  # sequence 1 "ends" at its 4th token
+    monkeypatch.setattr("kvbook.runtime.sequence.EOS_IDS", frozenset({alone[3]}))  # sequence 1 "ends" at its 4th token
     batch = engine.generate_batch(PROMPTS[:3], 10)
     assert batch[1].output_ids == alone[:4] and batch[1].finish_reason == "stop"
     others = [r for b, r in enumerate(batch) if b != 1]

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from kvbook.bench import decode_weight_bytes, ratios
 from kvbook.config import Config, ModelConfig, load_config
-from kvbook.roofline import prefill_flops
+from kvbook.tools.bench import decode_weight_bytes, ratios
+from kvbook.tools.roofline import prefill_flops
 
 from .test_cli import TINY, TINY_SETTINGS
 

@@ -1,4 +1,4 @@
-"""The rendered book's decode-step scrubber (kvbook.book.static_scrubber): the data it puts into the page, read
+"""The rendered book's decode-step scrubber (kvbook.tools.book.static_scrubber): the data it puts into the page, read
 back from the HTML, against the recorded run it comes from. tests/browser checks that the page draws them."""
 
 import base64
@@ -7,10 +7,10 @@ import re
 
 import pytest
 import torch
-from kvbook.book import DecodeRecording, static_scrubber, token_label
-from kvbook.engine import Engine
+from kvbook.runtime.engine import Engine
 from kvbook.tokenizer import get_default_tokenizer
-from kvbook.trace import Tracer
+from kvbook.tools.book import DecodeRecording, static_scrubber, token_label
+from kvbook.tools.trace import Tracer
 
 from .conftest import small_config
 

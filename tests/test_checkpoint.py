@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 from kvbook.config import ConfigError
-from kvbook.engine import Engine
-from kvbook.weights import CheckpointError, build_model, checkpoint_config, load_checkpoint
+from kvbook.model.weights import CheckpointError, build_model, checkpoint_config, load_checkpoint
+from kvbook.runtime.engine import Engine
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 

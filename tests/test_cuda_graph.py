@@ -1,11 +1,11 @@
-"""The fixed-shape decode step that CUDA graphs replay (kvbook.cuda_graph), run eagerly on the CPU: the same
+"""The fixed-shape decode step that CUDA graphs replay (kvbook.runtime.cuda_graph), run eagerly on the CPU: the same
 logits, caches and tokens as the ordinary decode step, across bucket boundaries and from one sequence to the
 next. (Capturing and replaying needs a GPU: scripts/gpu_check.sh runs the graphs and compares their tokens.)"""
 
 import pytest
 import torch
-from kvbook.cuda_graph import GraphedDecoder, count_torch_calls, wanted
-from kvbook.engine import Engine
+from kvbook.runtime.cuda_graph import GraphedDecoder, count_torch_calls, wanted
+from kvbook.runtime.engine import Engine
 
 from .conftest import small_config
 

@@ -3,9 +3,9 @@ step and ends at prompt + new - 1, errors before any work, sampling, EOS, and th
 
 import pytest
 import torch
-from kvbook.engine import Engine
-from kvbook.kv_cache import CacheFullError, KVCache
-from kvbook.weights import load_random_weights, random_weights, random_weights_path, wait_for_saves
+from kvbook.cache.contiguous import CacheFullError, KVCache
+from kvbook.model.weights import load_random_weights, random_weights, random_weights_path, wait_for_saves
+from kvbook.runtime.engine import Engine
 
 from .conftest import small_config
 
@@ -88,7 +88,7 @@ def test_requests_the_cache_cannot_hold_are_refused_before_any_work(weight_cache
 
 def test_eos_stops_unless_ignored(engine, monkeypatch):
     greedy = engine.generate(PROMPT, 6, ignore_eos=True).output_ids
-    monkeypatch.setattr("kvbook.engine.EOS_IDS", frozenset({greedy[1]}))  # pretend the 2nd token is EOS
+    monkeypatch.setattr("kvbook.runtime.sequence.EOS_IDS", frozenset({greedy[1]}))  # pretend the 2nd token is EOS
     stopped = engine.generate(PROMPT, 6)
     assert stopped.output_ids == greedy[:2] and stopped.finish_reason == "stop"
     assert stopped.cache_len == 12 + 1

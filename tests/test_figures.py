@@ -1,4 +1,4 @@
-"""kvbook.figures: the pictures render for a small and for the full-size config, and their labels follow the
+"""kvbook.tools.figures: the pictures render for a small and for the full-size config, and their labels follow the
 configuration they are drawn from (change a size, the label changes)."""
 
 import dataclasses
@@ -7,7 +7,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 import pytest
 from kvbook import ModelConfig
-from kvbook.figures import (
+from kvbook.tools.figures import (
     block_table_diagram,
     figure_texts,
     kv_append_diagram,

@@ -54,10 +54,11 @@ def test_paged_trace_reports_blocks_and_gives_the_same_tokens(contiguous):
 
 
 def test_fixed_shape_decode_step_at_full_size_matches_the_ordinary_one():
-    """The step a GPU replays from a CUDA graph (kvbook.cuda_graph), run eagerly on the CPU, captured on CUDA."""
+    """The step a GPU replays from a CUDA graph (kvbook.runtime.cuda_graph), run eagerly on the CPU,
+    captured on CUDA."""
     from kvbook.config import load_config
-    from kvbook.cuda_graph import compare_with_ordinary
-    from kvbook.engine import Engine
+    from kvbook.runtime.cuda_graph import compare_with_ordinary
+    from kvbook.runtime.engine import Engine
 
     engine = Engine(load_config("config.toml"), progress=False)
     result = compare_with_ordinary(engine, list(range(1000, 1020)), steps=3)

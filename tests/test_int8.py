@@ -1,4 +1,4 @@
-"""int8 weights and a quantized KV cache (kvbook.quant): the int8 path against a dequantized reference, the int8
+"""int8 weights and a quantized KV cache (kvbook.model.quant): the int8 path against a dequantized reference, the int8
 and float8 caches against a float one, the pool that holds about twice the positions for the same memory, and the
 errors that name the key. Small float32 configs; what quantization costs on the full model is measured by
 scripts/quant_cost.py and recorded in BENCHMARKS.md, not asserted here."""
@@ -7,13 +7,15 @@ import copy
 
 import pytest
 import torch
-from kvbook import quant
+from kvbook.cache import kv_quant
+from kvbook.cache.memory import blocks_for_budget
+from kvbook.cache.paged import BlockPool
 from kvbook.config import Config, ConfigError, KVCacheConfig, ModelConfig, kv_cache_bytes, load_config
-from kvbook.engine import Engine
-from kvbook.linear import Linear, weight_bytes_kept
-from kvbook.paged_cache import BlockPool, blocks_for_budget
-from kvbook.scheduler import Scheduler
-from kvbook.weights import wait_for_saves
+from kvbook.model import quant
+from kvbook.model.linear import Linear, weight_bytes_kept
+from kvbook.model.weights import wait_for_saves
+from kvbook.runtime.engine import Engine
+from kvbook.runtime.scheduler import Scheduler
 
 from .conftest import small_config
 
@@ -144,9 +146,9 @@ def test_quantized_cache_logits_stay_close_to_a_float_cache(weight_cache, layout
 
 def test_quantized_cache_round_trip_is_within_half_a_step_per_position_and_head():
     x = torch.randn(1, 4, 10, 16)
-    values, scale = quant.quantize_kv(x, "int8")
+    values, scale = kv_quant.quantize_kv(x, "int8")
     assert values.dtype == torch.int8 and scale.shape == (1, 4, 10, 1) and scale.dtype == torch.float16
-    assert bool(((quant.dequantize_kv(values, scale) - x).abs() <= scale.float() * 0.5 * (1 + 1e-3)).all())
+    assert bool(((kv_quant.dequantize_kv(values, scale) - x).abs() <= scale.float() * 0.5 * (1 + 1e-3)).all())
 
 
 def test_int8_cache_bytes_follow_the_formula_and_half_the_float16_ones(weight_cache):
@@ -230,7 +232,7 @@ def test_a_device_without_the_cache_dtype_names_the_key(weight_cache, monkeypatc
     def missing(*args):
         raise RuntimeError("\"copy_\" not implemented for 'Float8_e4m3fn'")
 
-    monkeypatch.setattr(quant, "quantize_kv", missing)
+    monkeypatch.setattr(kv_quant, "quantize_kv", missing)
     with pytest.raises(ConfigError, match=r"^\[kv_cache\] cache_dtype = 'float8_e4m3fn' does not run on cpu"):
         Engine(small_config().replace(kv_cache={"cache_dtype": "float8_e4m3fn"}), progress=False)
 
@@ -246,8 +248,8 @@ def test_a_checkpoint_with_inf_cannot_be_quantized_and_says_which_tensor(weight_
 
 
 def test_the_fixed_shape_step_writes_and_reads_an_int8_cache_like_the_ordinary_step(weight_cache):
-    """The step CUDA graphs replay (kvbook.cuda_graph), run eagerly: same quantized cache, same logits."""
-    from kvbook.cuda_graph import GraphedDecoder
+    """The step CUDA graphs replay (kvbook.runtime.cuda_graph), run eagerly: same quantized cache, same logits."""
+    from kvbook.runtime.cuda_graph import GraphedDecoder
 
     engine = Engine(small_config(output_len=20).replace(kv_cache={"cache_dtype": "int8"}), progress=False)
     decoder = GraphedDecoder(engine, bucket_size=8, capture=False)

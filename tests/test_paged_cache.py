@@ -4,10 +4,10 @@ sequences in one pool."""
 
 import pytest
 import torch
-from kvbook.engine import Engine
-from kvbook.kv_cache import CacheFullError
-from kvbook.paged_cache import PoolExhaustedError
-from kvbook.trace import Tracer
+from kvbook.cache.contiguous import CacheFullError
+from kvbook.cache.paged import PoolExhaustedError
+from kvbook.runtime.engine import Engine
+from kvbook.tools.trace import Tracer
 
 from .conftest import small_config
 

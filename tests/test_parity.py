@@ -3,9 +3,9 @@ logits after prefill and at every decode step within 1e-5, and the caches' conte
 
 import pytest
 import torch
-from kvbook.kv_cache import KVCache
-from kvbook.reference import hf_random_model, hf_weights
-from kvbook.weights import build_model
+from kvbook.cache.contiguous import KVCache
+from kvbook.model.weights import build_model
+from kvbook.tools.reference import hf_random_model, hf_weights
 from transformers import DynamicCache
 
 from .conftest import small_config

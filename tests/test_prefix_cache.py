@@ -4,11 +4,11 @@ freed and refilled never keeps its old key."""
 
 import pytest
 import torch
+from kvbook.cache.paged import block_keys
 from kvbook.config import ConfigError
-from kvbook.engine import Engine
-from kvbook.paged_cache import block_keys
-from kvbook.scheduler import Scheduler
-from kvbook.trace import Tracer
+from kvbook.runtime.engine import Engine
+from kvbook.runtime.scheduler import Scheduler
+from kvbook.tools.trace import Tracer
 
 from .conftest import small_config
 

@@ -1,12 +1,12 @@
-"""Continuous batching (kvbook.scheduler): sequences join after their prefill and leave when they finish, each
+"""Continuous batching (kvbook.runtime.scheduler): sequences join after their prefill and leave when they finish, each
 with exactly the tokens it gets alone; admission by the pool's free blocks; aborts free at once."""
 
 import pytest
 import torch
 from kvbook.device import TORCH_DTYPES
-from kvbook.engine import Engine
-from kvbook.paths import fixed_paths, invariant_row_multiple
-from kvbook.scheduler import Scheduler
+from kvbook.runtime.engine import Engine
+from kvbook.runtime.paths import fixed_paths, invariant_row_multiple
+from kvbook.runtime.scheduler import Scheduler
 
 from .conftest import small_config
 
@@ -49,7 +49,7 @@ def test_late_arrivals_join_the_running_batch_and_get_the_tokens_they_get_alone(
 
 @pytest.mark.parametrize("batched", ["measured", "float16", "bfloat16", "float32"])
 def test_float16_on_cpu_batched_rows_are_bitwise_what_they_are_alone(weight_cache, batched):
-    # float16 weights: batched steps compute in the dtype this machine measured fastest (kvbook.paths), or in
+    # float16 weights: batched steps compute in the dtype this machine measured fastest (kvbook.runtime.paths), or in
     # the one another machine would take; a sequence alone in the scheduler gets the same numbers (as two rows)
     paths = None
     if batched != "measured":
@@ -128,9 +128,9 @@ def test_a_bad_request_is_refused_when_added(weight_cache):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_a_row_computes_the_same_alone_as_in_a_batch(dtype):
     # at real widths a CPU's kernel for one row may round differently from the one for several rows; inside
-    # batch_invariant_rows kvbook.linear pads rows to the multiple kvbook.paths measures for the dtype, so a
-    # decode step does not depend on the batch
-    from kvbook.linear import Linear, batch_invariant_rows
+    # batch_invariant_rows kvbook.model.linear pads rows to the multiple kvbook.runtime.paths measures for the dtype,
+    # so a decode step does not depend on the batch
+    from kvbook.model.linear import Linear, batch_invariant_rows
 
     torch.manual_seed(0)
     layer = Linear(4096, 1024, dtype=torch.float16)

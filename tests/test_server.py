@@ -9,9 +9,9 @@ import socket
 import openai
 import pytest
 import requests
-from kvbook.client import chat, stream_chat
-from kvbook.engine import Engine
-from kvbook.server import BackgroundServer
+from kvbook.runtime.engine import Engine
+from kvbook.serving.client import chat, stream_chat
+from kvbook.serving.server import BackgroundServer
 
 from .conftest import small_config
 
@@ -140,7 +140,7 @@ def test_invalid_json_is_a_400(server):
 def test_auth_needs_the_key_and_never_leaks_it(engine, monkeypatch, caplog):
     secret = "sk-test-7f3a9c-secret"
     monkeypatch.setenv(KEY_ENV, secret)
-    caplog.set_level(logging.INFO, logger="kvbook.server")
+    caplog.set_level(logging.INFO, logger="kvbook.serving.server")
     with BackgroundServer(engine) as server:
         body = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
         missing = post(server, body)
@@ -207,7 +207,7 @@ def test_a_shared_system_prompt_is_prefilled_once(engine, monkeypatch):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_the_server(server, caplog):
-    caplog.set_level(logging.INFO, logger="kvbook.server")
+    caplog.set_level(logging.INFO, logger="kvbook.serving.server")
     host, port = server.url.removeprefix("http://").split(":")
     body = ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, '
             '"stream": true, "ignore_eos": true}')
@@ -227,7 +227,7 @@ def test_a_client_that_disconnects_mid_stream_frees_the_server(server, caplog):
 
 
 def test_logs_show_each_layers_cache_growing(server, caplog):
-    caplog.set_level(logging.INFO, logger="kvbook.server")
+    caplog.set_level(logging.INFO, logger="kvbook.serving.server")
     reply = post(server, {"model": MODEL, "messages": HELLO, "max_tokens": 4, "ignore_eos": True}).json()
     prompt = reply["usage"]["prompt_tokens"]
     steps = [r.getMessage() for r in caplog.records if " cache_len per layer " in r.getMessage()]

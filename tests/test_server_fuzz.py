@@ -9,8 +9,8 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kvbook.engine import Engine
-from kvbook.server import BackgroundServer
+from kvbook.runtime.engine import Engine
+from kvbook.serving.server import BackgroundServer
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance

@@ -1,9 +1,9 @@
 """The load generator (`bench --load`) on a tiny model: Poisson arrivals, the per-rate report, the knee."""
 
 import pytest
-from kvbook.engine import Engine
-from kvbook.loadgen import format_load, knee, poisson_arrivals, run_load
-from kvbook.server import BackgroundServer
+from kvbook.runtime.engine import Engine
+from kvbook.serving.loadgen import format_load, knee, poisson_arrivals, run_load
+from kvbook.serving.server import BackgroundServer
 
 from .conftest import small_config
 from .test_server import KEY_ENV

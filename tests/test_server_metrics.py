@@ -6,8 +6,8 @@ import time
 
 import pytest
 import requests
-from kvbook.engine import Engine
-from kvbook.server import BackgroundServer
+from kvbook.runtime.engine import Engine
+from kvbook.serving.server import BackgroundServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import small_config

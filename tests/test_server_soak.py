@@ -16,8 +16,8 @@ import weakref
 
 import pytest
 import requests
-from kvbook.engine import Engine
-from kvbook.server import BackgroundServer
+from kvbook.runtime.engine import Engine
+from kvbook.serving.server import BackgroundServer
 from kvbook.tokenizer import EOS_IDS, get_default_tokenizer
 
 from .conftest import small_config

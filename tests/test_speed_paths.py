@@ -1,14 +1,15 @@
-"""The speed paths (kvbook.paths, kvbook.linear): each phase's arithmetic dtype, measured once per machine and
-cached; copies of the weights in that dtype; always-2-D inputs; down_proj as column blocks. They change how the
-arithmetic is done, not what is computed: checked against the plain float16/float32 path."""
+"""The speed paths (kvbook.runtime.paths, kvbook.model.linear): each phase's arithmetic dtype, measured once per
+machine and cached; copies of the weights in that dtype; always-2-D inputs; down_proj as column blocks. They change
+how the arithmetic is done, not what is computed: checked against the plain float16/float32 path."""
 
 import json
 
 import pytest
 import torch
-from kvbook.engine import Engine
-from kvbook.linear import Linear, add_copies, split_long_inputs, weight_bytes_kept
-from kvbook.paths import (
+from kvbook.model.linear import Linear, add_copies, split_long_inputs, weight_bytes_kept
+from kvbook.model.weights import load_random_weights, prefill_weight_names, random_weights_path, wait_for_saves
+from kvbook.runtime.engine import Engine
+from kvbook.runtime.paths import (
     PHASES,
     candidates,
     choose_paths,
@@ -17,7 +18,6 @@ from kvbook.paths import (
     matrix_groups,
     paths_cache_dir,
 )
-from kvbook.weights import load_random_weights, prefill_weight_names, random_weights_path, wait_for_saves
 
 from .conftest import small_config
 
@@ -32,7 +32,7 @@ def test_candidates_hold_the_weights_values():
 
 
 def test_paths_are_measured_once_per_machine_and_cached(weight_cache, monkeypatch):
-    from kvbook import paths
+    from kvbook.runtime import paths
 
     monkeypatch.setattr(paths, "_busy_cpu_seconds", lambda: 0.0)  # a quiet machine (a busy one: the next test)
     cfg = small_config(dtype="float16")
@@ -57,7 +57,7 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache, monkeypatc
 
 
 def test_a_choice_timed_on_a_busy_machine_is_used_but_not_cached(weight_cache, monkeypatch):
-    from kvbook import paths
+    from kvbook.runtime import paths
 
     with paths.OthersLoad() as load:  # the real /proc/stat: a share of the machine
         sum(range(10**6))
@@ -115,7 +115,7 @@ def test_linear_uses_the_copy_in_the_inputs_dtype_and_the_weight_otherwise():
 def test_linear_gives_f_linear_a_2d_input(monkeypatch):
     shapes = []
     real = torch.nn.functional.linear
-    monkeypatch.setattr("kvbook.linear.F.linear", lambda x, w: shapes.append(tuple(x.shape)) or real(x, w))
+    monkeypatch.setattr("kvbook.model.linear.F.linear", lambda x, w: shapes.append(tuple(x.shape)) or real(x, w))
     layer = Linear(8, 4)
     torch.nn.init.normal_(layer.weight)
     x = torch.randn(2, 3, 8)

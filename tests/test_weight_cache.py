@@ -5,14 +5,14 @@ the background write finishes."""
 import logging
 
 import torch
-from kvbook.weights import load_random_weights, random_weights_path, wait_for_saves
+from kvbook.model.weights import load_random_weights, random_weights_path, wait_for_saves
 
 from .conftest import small_config
 
 
 def test_a_first_run_reports_caching_in_the_calling_thread_and_nothing_afterwards(weight_cache, capfd, caplog):
     cfg = small_config().model
-    with caplog.at_level(logging.INFO, logger="kvbook.weights"):
+    with caplog.at_level(logging.INFO, logger="kvbook.model.weights"):
         load_random_weights(cfg, torch.float32, progress=True)
         said_by_the_call = capfd.readouterr().err
         wait_for_saves()
@@ -27,7 +27,7 @@ def test_a_write_that_fails_is_a_logged_warning_and_leaves_no_partial_file(weigh
     cfg = small_config().model
     weight_cache.parent.mkdir(parents=True)
     weight_cache.write_text("a file where the cache directory should be")  # makes the write fail
-    with caplog.at_level(logging.WARNING, logger="kvbook.weights"):
+    with caplog.at_level(logging.WARNING, logger="kvbook.model.weights"):
         weights, _ = load_random_weights(cfg, torch.float32, progress=False)
         wait_for_saves()
     assert weights  # the model still got its weights

@@ -3,20 +3,19 @@
     from kvbook import load_config, Engine, build_prompt_ids
     engine = Engine(load_config("config.toml"))
     run = engine.generate(build_prompt_ids(256), 128, ignore_eos=True)
+
+The package in layers, each importing only those before it: config (and device, tokenizer) -> model -> cache ->
+runtime -> serving -> tools. Importing kvbook has no side effect; see kvbook.device.enable_huge_pages.
 """
 
-import os
-
-# Large tensors in transparent huge pages: drawing the 1.85B random weights is ~1.7x faster (fewer page faults).
-# Read by PyTorch's CPU allocator; set before anything allocates, and only if the user has not chosen.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-from .config import Config, ConfigError, ConfigWarning, ModelConfig, kv_cache_bytes, load_config
-from .engine import Engine, Generation, Step
-from .kv_cache import CacheFullError, KVCache
-from .model import Qwen3ForCausalLM
+from .cache.contiguous import CacheFullError, KVCache
+from .cache.memory import kv_cache_bytes
+from .config import Config, ConfigError, ConfigWarning, ModelConfig, load_config
+from .model.qwen3 import Qwen3ForCausalLM
+from .runtime.engine import Engine
+from .runtime.sequence import Generation, Step
 from .tokenizer import Tokenizer, build_prompt_ids, get_default_tokenizer
-from .trace import Tracer, checklist
+from .tools.trace import Tracer, checklist
 
 __all__ = [
     "CacheFullError", "Config", "ConfigError", "ConfigWarning", "Engine", "Generation", "KVCache", "ModelConfig",

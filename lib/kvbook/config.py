@@ -1,6 +1,6 @@
 """config.toml -> typed, frozen config objects, with one-line errors that name the key and the fix.
 
-Explained in chapter 1 ("The pipeline"), which walks through every key; chapter 8 ("Pitfalls") triggers
+Explained in chapter 1 ("The pipeline"), which walks through every key; chapter 7 ("Pitfalls") triggers
 the checks below on purpose.
 """
 
@@ -15,13 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
-# a quantized KV cache ([kv_cache] cache_dtype, kvbook.quant): 1 byte per element plus one float16 scale per
-# position and head (head_dim elements share it)
-QUANTIZED_CACHE_DTYPES = {"int8": 1, "float8_e4m3fn": 1}
-CACHE_SCALE_BYTES = 2
+from .cache.memory import DTYPE_BYTES, QUANTIZED_CACHE_DTYPES, blocks_for_budget, kv_cache_bytes
+
 # [inference] weight_dtype: "auto" keeps the weights in [inference] dtype (float16: the article's); "int8" stores the
-# matrices as int8 with one scale per output channel (weight-only, kvbook.quant)
+# matrices as int8 with one scale per output channel (weight-only, kvbook.model.quant)
 WEIGHT_DTYPES = ["auto", "int8", *DTYPE_BYTES]
 # keys that would hold a secret: refused, keys come only from the environment variable named by api_key_env
 SECRET_KEY_NAMES = re.compile(r"(^|_)(api_?key|key|token|secret|password)$", re.IGNORECASE)
@@ -29,6 +26,11 @@ SECRET_KEY_NAMES = re.compile(r"(^|_)(api_?key|key|token|secret|password)$", re.
 
 class ConfigError(ValueError):
     """A mistake in config.toml or a --set override. The message is one line: the key, the problem, the fix."""
+
+
+class QuantizationError(ConfigError):
+    """A checkpoint that cannot be quantized, or a device that cannot run the int8 kernels (kvbook.model.quant)
+    or store a quantized KV cache (kvbook.cache.kv_quant)."""
 
 
 class ConfigWarning(UserWarning):
@@ -109,11 +111,11 @@ class InferenceConfig:
     output_len: int = 128
     dtype: str = "float16"
     device: str = "cuda:0"
-    # "auto": the dtype kvbook.paths measures fastest for prefill on this machine (by capability on a GPU)
+    # "auto": the dtype kvbook.runtime.paths measures fastest for prefill on this machine (by capability on a GPU)
     prefill_dtype: str = "auto"
-    # on a GPU, single-sequence decode steps replay captured CUDA graphs (kvbook.cuda_graph); ignored on the CPU
+    # on a GPU, single-sequence decode steps replay captured CUDA graphs (kvbook.runtime.cuda_graph); ignored on the CPU
     cuda_graphs: bool = True
-    weight_dtype: str = "auto"  # "int8": weight-only int8 matrices, per-output-channel scales (kvbook.quant)
+    weight_dtype: str = "auto"  # "int8": weight-only int8 matrices, per-output-channel scales (kvbook.model.quant)
 
     def __post_init__(self) -> None:
         _positive("inference", self, "batch_size", "input_len", "output_len")
@@ -133,7 +135,7 @@ class KVCacheConfig:
     cache_dtype: str = "float16"
     max_cache_len: int = 4096
     block_size: int = 16
-    layout: str = "contiguous"  # or "paged": blocks of block_size positions from a shared pool (chapter 10)
+    layout: str = "contiguous"  # or "paged": blocks of block_size positions from a shared pool (chapter 9)
     pool_mib: int = 0  # paged: the pool's memory; 0 = what the contiguous cache reserves (max_cache_len)
     prefix_caching: bool = False  # paged: full blocks keyed by their tokens are reused by later prompts (chapter 11)
 
@@ -191,8 +193,6 @@ class Config:
                 f"[inference] input_len + output_len - 1 = {needed} exceeds [model] max_position_embeddings = "
                 f"{model.max_position_embeddings}; shorten the run or raise max_position_embeddings")
         if kv.enable and kv.layout == "paged" and kv.pool_mib:
-            from .paged_cache import blocks_for_budget
-
             blocks = blocks_for_budget(model, kv)
             if blocks * kv.block_size < needed:
                 raise ConfigError(
@@ -219,17 +219,6 @@ class Config:
         """A copy with some keys changed, validated again: cfg.replace(kv_cache={"enable": False})."""
         changed = {name: dataclasses.replace(getattr(self, name), **keys) for name, keys in sections.items()}
         return dataclasses.replace(self, **changed)
-
-
-def kv_cache_bytes(model: ModelConfig, positions: int, dtype: str, batch_size: int = 1) -> int:
-    """K and V for every layer: 2 x layers x kv_heads x head_dim x positions x bytes per element; a quantized
-    cache (int8, float8_e4m3fn) adds one float16 scale per position and head: 2 x layers x kv_heads x positions
-    x (head_dim x 1 + 2)."""
-    if dtype in QUANTIZED_CACHE_DTYPES:
-        per_head = model.head_dim * QUANTIZED_CACHE_DTYPES[dtype] + CACHE_SCALE_BYTES
-    else:
-        per_head = model.head_dim * DTYPE_BYTES[dtype]
-    return 2 * model.num_hidden_layers * batch_size * model.num_key_value_heads * positions * per_head
 
 
 SECTIONS = {"model": ModelConfig, "inference": InferenceConfig, "kv_cache": KVCacheConfig, "server": ServerConfig}

@@ -3,12 +3,25 @@ so the same config.toml runs on a reader's GPU and on a 2-core CI machine."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _notified: set[str] = set()
+
+
+def enable_huge_pages() -> None:
+    """Large tensors in transparent huge pages: drawing the 1.85B random weights is faster (fewer page faults;
+    BENCHMARKS.md, "Numbers from code comments").
+
+    PyTorch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at the process's first CPU tensor allocation, so a
+    call after that changes nothing. It cannot be set late: the entry points call this first (kvbook.tools.cli.main,
+    kvbook.tools.book.book_config, tests/conftest.py), and Engine construction calls it before loading weights, which
+    helps a script whose first tensors are the engine's. Kept when the user has chosen a value. `import kvbook` does
+    not call it (no side effect at import)."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def resolve_device(requested: str) -> torch.device:

@@ -26,7 +26,7 @@ from tests.browser.test_rendered_book import (  # noqa: F401  (base_url and brow
 MATH_CHAPTERS = ["chapters/03_layer0.html", "chapters/05a_from_scratch.html", "chapters/09_memory.html"]
 MATH_PAGES = sorted({*MATH_CHAPTERS, *(path.relative_to(HTML_DIR).as_posix() for path in HTML_DIR.glob("**/*.html")
                                        if 'class="math' in path.read_text("utf-8"))} - {"search.html", "genindex.html"})
-# Chapters with the concept pictures drawn by kvbook.figures.
+# Chapters with the concept pictures drawn by kvbook.tools.figures.
 FIGURE_CHAPTERS = ["chapters/03_layer0", "chapters/05a_from_scratch", "chapters/09_memory"]
 
 

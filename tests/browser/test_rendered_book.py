@@ -2,7 +2,7 @@
 
 Every chapter page must load with no JavaScript error, no broken image and no request leaving the machine, every
 matplotlib ``to_jshtml`` animation must change frame when its slider moves, and chapter 5's decode-step scrubber
-(kvbook.book.static_scrubber) must show every layer's cache length, the attention row and the top-5 tokens of the
+(kvbook.tools.book.static_scrubber) must show every layer's cache length, the attention row and the top-5 tokens of the
 step its slider is moved to.
 
 Needs the built book (``.venv/bin/jupyter-book build . -W``) and /usr/bin/chromium (``scripts/install_chromium.sh``).
@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pandas as pd
 import pytest
 import torch
-from kvbook.book import DecodeRecording, static_scrubber
+from kvbook.tools.book import DecodeRecording, static_scrubber
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 from playwright.sync_api import sync_playwright
 

@@ -4,5 +4,5 @@ from torch import nn
 
 
 class Probe(nn.Identity):
-    """Returns its input unchanged. A forward hook on it (kvbook.trace) records the tensor's shape, or the
+    """Returns its input unchanged. A forward hook on it (kvbook.tools.trace) records the tensor's shape, or the
     tensor itself (attention weights); with no hook it costs one Python call."""

@@ -9,24 +9,20 @@ holds 383 positions: the last token is never fed back. Explained in chapters 4 (
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import cuda_graph, quant
-from .config import Config
-from .device import TORCH_DTYPES, resolve_device, synchronize
-from .kv_cache import CacheFullError, KVCache
-from .linear import add_copies, split_long_inputs, weight_bytes_kept
-from .model import Qwen3ForCausalLM
-from .paged_cache import BlockPool, PagedKVCache
-from .paths import ComputePaths, choose_paths
-from .sampling import sample_next
-from .tokenizer import EOS_IDS
-from .weights import (
+from ..cache import kv_quant
+from ..cache.contiguous import CacheFullError, KVCache
+from ..cache.paged import BlockPool, PagedKVCache
+from ..config import Config
+from ..device import TORCH_DTYPES, enable_huge_pages, resolve_device, synchronize
+from ..model import quant
+from ..model.linear import add_copies, split_long_inputs, weight_bytes_kept
+from ..model.qwen3 import Qwen3ForCausalLM
+from ..model.weights import (
     attach_prefill_weights,
     build_model,
     checkpoint_config,
@@ -35,54 +31,11 @@ from .weights import (
     load_random_weights,
     prefill_copies,
 )
-
-
-@dataclass(frozen=True)
-class Step:
-    """One generated token: index 0 comes from prefill, 1.. from decode steps."""
-
-    index: int
-    phase: str  # "prefill" or "decode"
-    token_id: int
-    ms: float  # the forward pass and the choice of the token, synchronized
-    cache_len: int  # positions in every layer's cache after this step (0 with the cache disabled)
-    positions_computed: int  # 256 in prefill; 1 per decode step with the cache, the whole sequence without
-    cache_lens: tuple[int, ...] = ()  # each layer's cache length after this step (empty with the cache disabled)
-    blocks: int | None = None  # paged layout: blocks the sequence holds after this step
-
-
-@dataclass
-class Generation:
-    input_ids: list[int]
-    output_ids: list[int]
-    finish_reason: str  # "stop" (an EOS token) or "length" (max_new_tokens reached)
-    steps: list[Step] = field(repr=False)
-
-    @property
-    def ttft_ms(self) -> float:
-        """Time to first token: prefill plus choosing the first token."""
-        return self.steps[0].ms
-
-    @property
-    def step_ms(self) -> list[float]:
-        return [step.ms for step in self.steps[1:]]
-
-    @property
-    def tpot_ms(self) -> float | None:
-        """Time per output token after the first: the mean decode step (None if there was no decode step)."""
-        return statistics.fmean(self.step_ms) if len(self.steps) > 1 else None
-
-    @property
-    def cache_len(self) -> int:
-        return self.steps[-1].cache_len
-
-
-def make_step(index: int, phase: str, token: int, ms: float, cache, positions_computed: int) -> Step:
-    """A Step with the cache's state after it (cache None: the cache is disabled)."""
-    if cache is None:
-        return Step(index, phase, token, ms, 0, positions_computed)
-    blocks = cache.num_blocks if isinstance(cache, PagedKVCache) else None
-    return Step(index, phase, token, ms, cache.length, positions_computed, tuple(cache.lengths()), blocks)
+from . import cuda_graph
+from .inputs import prepare_decode
+from .paths import ComputePaths, choose_paths
+from .sampling import sample_next
+from .sequence import Generation, finish_reason, make_step, positions_needed
 
 
 class Engine:
@@ -90,17 +43,18 @@ class Engine:
 
     def __init__(self, config: Config, model: Qwen3ForCausalLM | None = None, progress: bool = True,
                  paths: ComputePaths | None = None):
-        """paths: the arithmetic dtype of each phase; by default measured once per machine (kvbook.paths)."""
+        """paths: the arithmetic dtype of each phase; by default measured once per machine (kvbook.runtime.paths)."""
+        enable_huge_pages()  # before the weights are allocated; no effect if this process allocated tensors already
         self.device = resolve_device(config.inference.device)
         self.dtype = TORCH_DTYPES[config.inference.dtype]
         started = time.perf_counter()
         self.paths = paths or choose_paths(config, self.device)
         self.prefill_dtype = self.paths.prefill.dtype
         self.decode_dtype = self.paths.decode.dtype  # a lone sequence's decode step
-        self.batch_dtype = self.paths.batched_decode.dtype  # a decode step of the scheduler (kvbook.scheduler)
+        self.batch_dtype = self.paths.batched_decode.dtype  # a decode step of the scheduler (kvbook.runtime.scheduler)
         self.prefix_caching = config.kv_cache.prefix_caching
         separate_prefill = self.prefill_dtype != self.dtype
-        drawn = model is None  # random weights, from the weight cache (kvbook.weights)
+        drawn = model is None  # random weights, from the weight cache (kvbook.model.weights)
         if model is None:
             weights, prefill = load_random_weights(config.model, self.dtype,
                                                    self.prefill_dtype if separate_prefill else None, progress)
@@ -110,8 +64,8 @@ class Engine:
         elif separate_prefill and not has_prefill_weights(model, self.prefill_dtype):  # a model of another Engine
             attach_prefill_weights(model, prefill_copies(config.model, dict(model.named_parameters()),
                                                          self.prefill_dtype))
-        quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
-        if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.quant)
+        kv_quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
+        if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.model.quant)
             quant.quantize_model(model, self.device, self.dtype, drawn_from=config.model if drawn else None)
         else:
             add_copies(model, self.decode_dtype)  # every matrix, lm_head too
@@ -152,7 +106,7 @@ class Engine:
         """Fill the cache with the prompt from where it stands -> (logits of the last position computed
         [1, 1, vocab], positions reused). On an empty cache with prefix caching, the prompt's leading full blocks
         already in the pool are reused, not computed. chunk > 0: at most chunk positions in this call (chunked
-        prefill, kvbook.scheduler); call again until cache.length == len(prompt)."""
+        prefill, kvbook.runtime.scheduler); call again until cache.length == len(prompt)."""
         reused = cache.reuse_prefix(prompt) if self.prefix_caching and cache.length == 0 else 0
         start = cache.length
         end = min(len(prompt), start + chunk) if chunk > 0 else len(prompt)
@@ -166,7 +120,7 @@ class Engine:
 
     def prepare_batched_decode(self) -> None:
         """Give every matrix a batch_dtype copy, made when a scheduler that batches first needs it (an int8
-        model reads its int8 weights for a few rows, kvbook.quant)."""
+        model reads its int8 weights for a few rows, kvbook.model.quant)."""
         add_copies(self.model, self.batch_dtype)
 
     def describe_paths(self) -> dict:
@@ -188,7 +142,7 @@ class Engine:
             raise ValueError("the prompt is empty; give at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
-        needed = prompt_len + max_new_tokens - 1  # the last generated token is never fed back
+        needed = positions_needed(prompt_len, max_new_tokens)  # the last generated token is never fed back
         limit = self.config.model.max_position_embeddings
         if needed > limit:
             raise ValueError(f"{prompt_len} prompt + {max_new_tokens} new tokens need {needed} positions but "
@@ -212,7 +166,7 @@ class Engine:
         """Yield a Step per generated token. Stop on EOS (unless ignore_eos) or after max_new_tokens.
 
         Closing the generator early (a client that went away) ends the run and frees its cache.
-        tracer: a kvbook.trace.Tracer to record shapes, cache lengths and timings of every step.
+        tracer: a kvbook.tools.trace.Tracer to record shapes, cache lengths and timings of every step.
         """
         if max_new_tokens is None:
             max_new_tokens = self.config.inference.output_len
@@ -227,8 +181,8 @@ class Engine:
         finally:
             if graphed:
                 self.decoder.release()
-            if isinstance(cache, PagedKVCache):
-                cache.free()  # the blocks go back to the pool, also when the caller stops early
+            if cache is not None:
+                cache.free()  # a paged cache's blocks go back to the pool, also when the caller stops early
 
     def _steps(self, cache, input_ids, max_new_tokens, temperature, top_p, generator, ignore_eos, tracer):
         tokens = list(input_ids)  # the prompt, then every generated token
@@ -240,18 +194,18 @@ class Engine:
                 if index == 0 and cache is not None:  # prefill: every prompt position not in the prefix cache
                     logits, reused = self.prefill(cache, tokens)  # [1, 1, 151936]
                     computed = prompt_len - reused
-                else:
-                    if cache is None:  # no cache: compute every position so far, again
-                        ids, first, compute_dtype = tokens, 0, self.prefill_dtype  # 256 + index positions
-                    else:  # decode: only the token generated last, at the next position
-                        ids, first, compute_dtype = tokens[-1:], len(tokens) - 1, self.decode_dtype
+                elif cache is None:  # no cache: compute every position so far, again (256 + index positions)
+                    logits = self.model(torch.tensor([tokens], device=self.device),
+                                        torch.arange(0, len(tokens), device=self.device), None,
+                                        compute_dtype=self.prefill_dtype)  # [1, 1, 151936]
+                    computed = len(tokens)
+                else:  # decode: only the token generated last, at the next position
                     if self.decoder is not None and cache is self.decoder.cache:
                         logits = self.decoder.step(tokens[-1])  # the same step, replayed from a CUDA graph
                     else:
-                        logits = self.model(torch.tensor([ids], device=self.device),
-                                            torch.arange(first, len(tokens), device=self.device), cache,
-                                            compute_dtype=compute_dtype)  # [1, 1, 151936]
-                    computed = len(ids)
+                        ids, positions, batch = prepare_decode(tokens[-1:], [cache], self.device)  # [1, 1], [1]
+                        logits = self.model(ids, positions, batch, compute_dtype=self.decode_dtype)  # [1, 1, 151936]
+                    computed = 1
                 token = sample_next(logits[0, -1], temperature, top_p, generator)
                 synchronize(self.device)
                 ms = (time.perf_counter() - started) * 1e3
@@ -261,18 +215,18 @@ class Engine:
             if tracer:
                 tracer.add_step(step, prompt_len)
             yield step
-            if token in EOS_IDS and not ignore_eos:
+            if finish_reason(token, index + 1, max_new_tokens, ignore_eos) is not None:
                 return
             tokens.append(token)
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | None = None,
                        ignore_eos: bool = False) -> list[Generation]:
-        """Greedy generation for several prompts at once (kvbook.scheduler with room for all of them). Each
+        """Greedy generation for several prompts at once (kvbook.runtime.scheduler with room for all of them). Each
         prompt is prefilled on its own (so prompts may differ in length), then every decode step feeds the last
         token of every unfinished sequence together, input [B, 1]: each weight is read once for B tokens. A
         sequence leaves the batch when it stops (EOS or max_new_tokens). Each Step's ms is the whole pass.
 
-        A decode step of several sequences computes in batch_dtype, measured for this machine (kvbook.paths)."""
+        A decode step of several sequences computes in batch_dtype, measured for this machine (kvbook.runtime.paths)."""
         from .scheduler import Scheduler
 
         scheduler = Scheduler(self, max_num_seqs=len(prompts))
@@ -287,5 +241,6 @@ class Engine:
         """Run stream() to the end. options: temperature, top_p, seed, ignore_eos, tracer."""
         steps = list(self.stream(input_ids, max_new_tokens, **options))
         output_ids = [step.token_id for step in steps]
-        stopped = output_ids[-1] in EOS_IDS and not options.get("ignore_eos", False)
-        return Generation(list(input_ids), output_ids, "stop" if stopped else "length", steps)
+        # the stream ended on the stop rule or at its length
+        reason = finish_reason(output_ids[-1], len(output_ids), len(output_ids), options.get("ignore_eos", False))
+        return Generation(list(input_ids), output_ids, reason, steps)

@@ -2,7 +2,7 @@
 timeline, the KV append and the paged block table. Each function returns a small matplotlib Figure whose labels
 are computed from its arguments (a ModelConfig, lengths, block tables), so the pictures follow config.toml.
 
-Used in chapters 3 ("Inside layer 0"), 5a ("Inference from scratch") and 10 ("Memory").
+Used in chapters 3 ("Inside layer 0"), 5a ("Inference from scratch") and 9 ("Memory").
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 PREFILL_COLOR = "#9ecae1"
 DECODE_COLOR = "#fdae6b"

@@ -3,17 +3,18 @@
 New positions are written after the history (the source article's pitfall 3), and attention reads views of
 the filled part, so decode never copies the history. Explained in chapters 4 ("Prefill") and 5 ("Decode").
 
-A quantized cache ([kv_cache] cache_dtype = "int8" or "float8_e4m3fn", kvbook.quant) stores each position's K and V
-per head in one byte per number with one float16 scale, and attention reads them dequantized to float32.
+A quantized cache ([kv_cache] cache_dtype = "int8" or "float8_e4m3fn", kvbook.cache.kv_quant) stores each position's
+K and V per head in one byte per number with one float16 scale, and attention reads them dequantized to float32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import quant
-from .config import KVCacheConfig, ModelConfig
-from .device import TORCH_DTYPES
+from ..config import KVCacheConfig, ModelConfig
+from ..device import TORCH_DTYPES
+from ..model.forward_batch import ForwardBatch, causal_mask
+from . import kv_quant
 
 
 class CacheFullError(RuntimeError):
@@ -22,7 +23,7 @@ class CacheFullError(RuntimeError):
 
 def storage_dtype(cache_dtype: str) -> torch.dtype:
     """The dtype K and V are stored in: int8 or float8 for a quantized cache, else the floating cache_dtype."""
-    return quant.KV_STORAGE.get(cache_dtype) or TORCH_DTYPES[cache_dtype]
+    return kv_quant.KV_STORAGE.get(cache_dtype) or TORCH_DTYPES[cache_dtype]
 
 
 class LayerKVCache:
@@ -31,17 +32,18 @@ class LayerKVCache:
         self.layer = layer
         self.max_len = max_len
         # a quantized cache: int8/float8 K and V, and one float16 scale per position and head. Zeros, so that a
-        # position never written dequantizes to 0 (the fixed-shape step masks such positions, kvbook.cuda_graph)
-        self.quantized = cache_dtype if cache_dtype is not None and quant.is_quantized_cache(cache_dtype) else None
+        # position never written dequantizes to 0 (the fixed-shape step masks such positions, kvbook.runtime.cuda_graph)
+        self.quantized = cache_dtype if cache_dtype is not None and kv_quant.is_quantized_cache(cache_dtype) else None
         self.k_scale = self.v_scale = None
         if self.quantized:
             scales = (batch, max_len, kv_heads, 1)
-            self.k_scale = torch.zeros(scales, dtype=quant.KV_SCALE_DTYPE, device=device).transpose(1, 2)
-            self.v_scale = torch.zeros(scales, dtype=quant.KV_SCALE_DTYPE, device=device).transpose(1, 2)
+            self.k_scale = torch.zeros(scales, dtype=kv_quant.KV_SCALE_DTYPE, device=device).transpose(1, 2)
+            self.v_scale = torch.zeros(scales, dtype=kv_quant.KV_SCALE_DTYPE, device=device).transpose(1, 2)
         # Stored position-major, [1, 4096, 32, 128], and seen through a transpose as [1, 32, 4096, 128]: a new
         # sequence's positions then fill consecutive memory. Head-major storage puts each head's first positions
         # 1 MiB apart, and with transparent huge pages the first write to a fresh cache faulted in 192 pages of
-        # 2 MiB: 50-200 ms of TTFT on the 2-core CPU. Empty, not zeros: only the filled part [:length] is read.
+        # 2 MiB, which cost TTFT (BENCHMARKS.md, "Numbers from code comments"). Empty, not zeros: only the filled
+        # part [:length] is read.
         storage = (batch, max_len, kv_heads, head_dim)
         self.k = torch.empty(storage, dtype=dtype, device=device).transpose(1, 2)  # [1, 32, 4096, 128]
         self.v = torch.empty(storage, dtype=dtype, device=device).transpose(1, 2)
@@ -56,8 +58,8 @@ class LayerKVCache:
                 f"max_cache_len is {self.max_len}; raise [kv_cache] max_cache_len to at least {end} "
                 f"(--set kv_cache.max_cache_len={end}) or generate fewer tokens")
         if self.quantized:
-            self.k[:, :, start:end], self.k_scale[:, :, start:end] = quant.quantize_kv(k_new, self.quantized)
-            self.v[:, :, start:end], self.v_scale[:, :, start:end] = quant.quantize_kv(v_new, self.quantized)
+            self.k[:, :, start:end], self.k_scale[:, :, start:end] = kv_quant.quantize_kv(k_new, self.quantized)
+            self.v[:, :, start:end], self.v_scale[:, :, start:end] = kv_quant.quantize_kv(v_new, self.quantized)
             self.length = end
             return self.keys(), self.values()  # float32, dequantized
         self.k[:, :, start:end] = k_new  # after the history, never before it; converted to cache_dtype
@@ -67,12 +69,12 @@ class LayerKVCache:
 
     def keys(self) -> torch.Tensor:
         if self.quantized:
-            return quant.dequantize_kv(self.k[:, :, :self.length], self.k_scale[:, :, :self.length])
+            return kv_quant.dequantize_kv(self.k[:, :, :self.length], self.k_scale[:, :, :self.length])
         return self.k[:, :, :self.length]  # [B, KV, length, D]
 
     def values(self) -> torch.Tensor:
         if self.quantized:
-            return quant.dequantize_kv(self.v[:, :, :self.length], self.v_scale[:, :, :self.length])
+            return kv_quant.dequantize_kv(self.v[:, :, :self.length], self.v_scale[:, :, :self.length])
         return self.v[:, :, :self.length]  # [B, KV, length, D]
 
     def stored_bytes(self, positions: int) -> int:
@@ -101,6 +103,19 @@ class LayeredCache:
 
     def lengths(self) -> list[int]:
         return [layer.length for layer in self.layers]
+
+    def forward_batch(self, new: int, device) -> ForwardBatch:
+        """How a pass of `new` positions after the ones held uses this cache: each layer appends to its own, and
+        the new positions attend causally ([new, length + new] mask; None for one new position)."""
+        return ForwardBatch([self[i] for i in range(len(self.layers))], causal_mask(new, self.length + new, device))
+
+    # what a paged cache has (kvbook.cache.paged), trivial for a contiguous one: callers need not ask which it is
+    num_blocks: int | None = None  # blocks held; None: not paged
+    block_table: list[int] | None = None  # the blocks' ids, in order; None: not paged
+
+    def free(self) -> None:
+        """Give the cache's memory back for other sequences: a paged cache returns its blocks to the pool; a
+        contiguous one goes with its last reference."""
 
 
 class KVCache(LayeredCache):
@@ -134,19 +149,19 @@ class BucketedLayerView:
         layer = self.layer
         if layer.quantized:
             for store, scales, new in ((layer.k, layer.k_scale, k_new), (layer.v, layer.v_scale, v_new)):
-                values, scale = quant.quantize_kv(new, layer.quantized)
+                values, scale = kv_quant.quantize_kv(new, layer.quantized)
                 store.index_copy_(2, self.position, values)
                 scales.index_copy_(2, self.position, scale)
-            return (quant.dequantize_kv(layer.k[:, :, :self.bucket], layer.k_scale[:, :, :self.bucket]),
-                    quant.dequantize_kv(layer.v[:, :, :self.bucket], layer.v_scale[:, :, :self.bucket]))
+            return (kv_quant.dequantize_kv(layer.k[:, :, :self.bucket], layer.k_scale[:, :, :self.bucket]),
+                    kv_quant.dequantize_kv(layer.v[:, :, :self.bucket], layer.v_scale[:, :, :self.bucket]))
         layer.k.index_copy_(2, self.position, k_new.to(layer.k.dtype))  # at the position tensor
         layer.v.index_copy_(2, self.position, v_new.to(layer.v.dtype))
         return layer.k[:, :, :self.bucket], layer.v[:, :, :self.bucket]
 
 
 class BucketedCache(LayeredCache):
-    """A contiguous cache as a fixed-shape decode step sees it (kvbook.cuda_graph): the same shapes and addresses
-    at every position of a bucket, with a mask hiding the positions after the current one."""
+    """A contiguous cache as a fixed-shape decode step sees it (kvbook.runtime.cuda_graph): the same shapes and
+    addresses at every position of a bucket, with a mask hiding the positions after the current one."""
 
     def __init__(self, cache: KVCache, position: torch.Tensor, bucket: int):
         self.layers = [BucketedLayerView(layer, position, bucket) for layer in cache.layers]
@@ -156,3 +171,8 @@ class BucketedCache(LayeredCache):
     def decode_mask(self) -> torch.Tensor:
         """[bucket], True where the query may NOT look: the positions after the one being written."""
         return self.columns > self.position
+
+    def forward_batch(self, new: int, device) -> ForwardBatch:
+        """A fixed-shape decode step: one new position, written at the position tensor, reading the whole bucket
+        with the positions after it masked ([S], S = the bucket)."""
+        return ForwardBatch(self.layers, self.decode_mask())

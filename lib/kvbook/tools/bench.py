@@ -1,13 +1,13 @@
 """python -m kvbook bench: TTFT, TPOT, model-ready time and peak memory, measured honestly (warm-up, repeated runs,
 synchronized), against the machine's two floors and optionally beside transformers' Qwen3ForCausalLM at the same
-shapes, in float16 and in bfloat16, in the same run. Read by chapter 7 ("Latency") and BENCHMARKS.md, which states
+shapes, in float16 and in bfloat16, in the same run. Read by chapter 8 ("Latency") and BENCHMARKS.md, which states
 the project's goals for these ratios.
 
 The floors belong to the machine, not to one kernel:
   memory floor   the bytes a decode step must read (the weights as stored, the embedding's one row, and the K/V
                  cache at the run's mean position) / the best plain streaming read (torch.sum over 1 GiB float32)
   compute floor  prefill's FLOPs counted from the shapes (lm_head on the last position only) / the best matrix-
-                 product rate of any dtype the engine may compute in on the device (kvbook.paths.candidates)
+                 product rate of any dtype the engine may compute in on the device (kvbook.runtime.paths.candidates)
 
 Each party runs in its own process, so that one's memory and caches do not colour the other's figures:
   machine      the plain read and the kernel table (matrix-vector, 8 rows, a 256-row product per dtype)
@@ -31,12 +31,13 @@ import time
 
 import torch
 
-from .config import Config, kv_cache_bytes
-from .device import TORCH_DTYPES, resolve_device, synchronize
-from .paths import candidates, cpu_identity, dtype_name, kernel_table, paths_cache_dir, read_bandwidth_gbps
-from .quant import int8_weight_bytes
+from ..cache.memory import kv_cache_bytes
+from ..config import Config
+from ..device import TORCH_DTYPES, resolve_device, synchronize
+from ..model.quant import int8_weight_bytes
+from ..model.weights import expected_shapes
+from ..runtime.paths import candidates, cpu_identity, dtype_name, kernel_table, paths_cache_dir, read_bandwidth_gbps
 from .roofline import prefill_flops
-from .weights import expected_shapes
 
 
 def _peak_rss_mb() -> float:
@@ -55,7 +56,7 @@ def _spread(values: list[float]) -> dict:
 def decode_weight_bytes(config: Config) -> int:
     """Bytes every decode step must read: every weight but the embedding table, of which it looks up one row
     (with tied embeddings, lm_head is that table and is read whole)."""
-    if config.inference.weight_dtype == "int8":  # int8 matrices and their scales (kvbook.quant)
+    if config.inference.weight_dtype == "int8":  # int8 matrices and their scales (kvbook.model.quant)
         return int8_weight_bytes(config.model, _dtype_size(config))
     shapes = expected_shapes(config.model)
     shapes.pop("model.embed_tokens.weight")
@@ -77,7 +78,7 @@ def _dtype_size(config: Config) -> int:
 # ---- workers: each prints one JSON line ---------------------------------------------------------------
 
 def probe_worker(config: Config, repeats: int) -> dict:
-    """The best plain read bandwidth of the engine's device, in GB/s (kvbook.paths.read_bandwidth_gbps)."""
+    """The best plain read bandwidth of the engine's device, in GB/s (kvbook.runtime.paths.read_bandwidth_gbps)."""
     read = read_bandwidth_gbps(resolve_device(config.inference.device), repeats=repeats)
     return {"probe_gbps": read["read_gbps"], "probe_median_gbps": read["read_median_gbps"],
             "probe": "torch.sum over 1 GiB of float32"}
@@ -87,7 +88,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def machine_worker(config: Config, repeats: int) -> dict:
-    """The machine's own numbers: the best plain read, and per dtype the kernel table (kvbook.paths)."""
+    """The machine's own numbers: the best plain read, and per dtype the kernel table (kvbook.runtime.paths)."""
     device = resolve_device(config.inference.device)
     read = read_bandwidth_gbps(device, repeats=repeats)
     kernels = kernel_table(device, list(KERNEL_DTYPES))
@@ -99,8 +100,8 @@ def machine_worker(config: Config, repeats: int) -> dict:
 
 
 def engine_worker(config: Config, repeats: int, steps: int) -> dict:
-    from .engine import Engine
-    from .tokenizer import build_prompt_ids, sample_text
+    from ..runtime.engine import Engine
+    from ..tokenizer import build_prompt_ids, sample_text
 
     engine = Engine(config, progress=False)
     if repeats == 0:  # only make sure the weight cache exists
@@ -141,8 +142,8 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
 def transformers_worker(config: Config, repeats: int, steps: int, peer_dtype: str | None = None) -> dict:
     from transformers import DynamicCache, Qwen3ForCausalLM
 
+    from ..tokenizer import build_prompt_ids
     from .reference import hf_config
-    from .tokenizer import build_prompt_ids
 
     device, dtype = resolve_device(config.inference.device), TORCH_DTYPES[peer_dtype or config.inference.dtype]
     hf_cfg = hf_config(config.model)
@@ -158,7 +159,7 @@ def transformers_worker(config: Config, repeats: int, steps: int, peer_dtype: st
         synchronize(device)
         started = time.perf_counter()
         logits = model(prompt, cache=cache, logits_to_keep=1).logits  # lm_head on the last position only
-        token = logits[:, -1:].float().argmax(-1)  # float32 logits, as generate() takes them (and kvbook.sampling)
+        token = logits[:, -1:].float().argmax(-1)  # float32 logits, as generate() takes them (and sampling)
         synchronize(device)
         ttft = (time.perf_counter() - started) * 1e3
         step_ms = []
@@ -180,7 +181,7 @@ def transformers_worker(config: Config, repeats: int, steps: int, peer_dtype: st
 
 
 def roofline_worker(config: Config, repeats: int, steps: int) -> dict:
-    from .engine import Engine
+    from ..runtime.engine import Engine
     from .roofline import roofline
 
     return roofline(Engine(config, progress=False), repeats=repeats)
@@ -199,7 +200,7 @@ def peer_dtypes(config: Config) -> list[str]:
 
 def _run_worker(role: str, config_path: str, overrides: list[str], repeats: int, steps: int,
                 env: dict | None = None) -> dict:
-    command = [sys.executable, "-m", "kvbook.bench", role, config_path, str(repeats), str(steps), *overrides]
+    command = [sys.executable, "-m", "kvbook.tools.bench", role, config_path, str(repeats), str(steps), *overrides]
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"bench worker {role!r} failed: {result.stderr.strip().splitlines()[-1:]}")
@@ -233,7 +234,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     weight cache) runs after the first round, like the peer's second build: on memory that the processes before it
     have just used. On a virtual machine, memory left untouched for a minute can cost a second per GB to fault in
     again (BENCHMARKS.md), and the first process to ask for gigabytes would pay for it alone. The cold start keeps
-    the machine's measured paths (kvbook.paths): they are measured once per machine, not once per weight file.
+    the machine's measured paths (kvbook.runtime.paths): they are measured once per machine, not once per weight file.
     The plain read is measured again after every round and the best kept: on a shared virtual machine the memory's
     speed drifts with the neighbours, and a floor measured in one slow minute would flatter every ratio."""
     rounds = rounds if against else 1
@@ -281,7 +282,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         "tokens_per_s": batch * 1e3 / engine["tpot_ms"], "batch_size": batch,
         "ready_s": engine["ready_s"], "peak_rss_mb": engine["peak_rss_mb"],
         "memory_floor_ms": memory_floor_ms, "compute_floor_ms": compute_floor_ms,
-        "floor_ms": memory_floor_ms,  # the name chapter 7's recorded runs use
+        "floor_ms": memory_floor_ms,  # the name chapter 8's recorded runs use
         "floors": {"decode_weight_bytes": weights_read, "decode_kv_bytes": kv_read,
                    "read_gbps": read_gbps, "read_gbps_samples": [round(r, 2) for r in reads],
                    "read_median_gbps": machine["read_median_gbps"],
@@ -360,9 +361,9 @@ def run_concurrency(config: Config, concurrency: int, max_tokens: int = 64, prog
     alone, then `concurrency` different requests at once; wall times, their ratio, each request's TTFT and TPOT."""
     import concurrent.futures
 
-    from .client import stream_chat
-    from .engine import Engine
-    from .server import BackgroundServer
+    from ..runtime.engine import Engine
+    from ..serving.client import stream_chat
+    from ..serving.server import BackgroundServer
 
     progress(f"kvbook bench: [1/3] loading the model ({config.model.num_hidden_layers} layers) ...")
     engine = Engine(config, progress=False)
@@ -412,7 +413,8 @@ def format_concurrency(r: dict) -> str:
 
 
 def run_roofline(config_path: str, overrides: list[str], repeats: int = 3, progress=print) -> dict:
-    """The per-op roofline (kvbook.roofline) with this machine's plain read bandwidth: which phase is bound by what."""
+    """The per-op roofline (kvbook.tools.roofline) with this machine's plain read bandwidth: which phase is bound by
+    what."""
     progress("kvbook bench: [1/2] plain read bandwidth ...")
     probe = _run_worker("probe", config_path, overrides, 20, 1)
     progress("kvbook bench: [2/2] roofline of prefill and one decode step ...")
@@ -469,7 +471,7 @@ def format_table(r: dict) -> str:
              f"{r['machine']['cpu_count']} CPUs), {r['dtype']} weights; prompt {r['input_len']}, {r['decode_steps']} "
              f"decode steps x {r['repeats']} runs x {r['rounds']} rounds (medians)"
              + ("; decode through CUDA graphs" if r.get("cuda_graphs") else "")]
-    lines += ["paths (kvbook.paths, " + r["paths"]["source"] + "):"] + [f"  {line}" for line in r["paths_text"]]
+    lines += ["paths (kvbook.runtime.paths, " + r["paths"]["source"] + "):"] + [f"  {line}" for line in r["paths_text"]]
     lines.append(f"{'':28s}{'kvbook':>12s}" + "".join(f"{'transformers ' + d:>24s}" for d in peers))
 
     def row(label, ours, key, fmt):
@@ -506,8 +508,11 @@ def format_table(r: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """Worker entry point: python -m kvbook.bench ROLE CONFIG REPEATS STEPS [OVERRIDES...]"""
-    from .config import load_config
+    """Worker entry point: python -m kvbook.tools.bench ROLE CONFIG REPEATS STEPS [OVERRIDES...]"""
+    from ..config import load_config
+    from ..device import enable_huge_pages
+
+    enable_huge_pages()  # before the worker allocates anything, as `python -m kvbook` does (kvbook.device)
 
     role, config_path, repeats, steps, *overrides = argv
     config = load_config(config_path, overrides)

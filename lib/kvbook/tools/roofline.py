@@ -1,6 +1,6 @@
 """A roofline of every op, for prefill and for one decode step: FLOPs and bytes moved computed from shapes and
 dtypes, time measured per module (synchronized), achieved FLOP/s and GB/s, against this machine's measured
-peaks. `python -m kvbook bench --roofline --json` prints it; chapter 7 ("Latency") reads the same numbers.
+peaks. `python -m kvbook bench --roofline --json` prints it; chapter 8 ("Latency") reads the same numbers.
 
 Counting rules (one multiply-add = 2 FLOPs; bytes = what must cross the memory bus at least once):
   linear     2·T·in·out FLOPs;  in·out weight bytes + T·(in + out) activation bytes
@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from .config import Config, ModelConfig
-from .device import synchronize
-from .engine import Engine
-from .tokenizer import build_prompt_ids
+from ..config import Config, ModelConfig
+from ..device import synchronize
+from ..runtime.engine import Engine
+from ..tokenizer import build_prompt_ids
 
 TIMED = ("input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "rope", "o_proj",
          "post_attention_layernorm", "gate_proj", "up_proj", "down_proj", "self_attn", "mlp")
@@ -72,7 +72,7 @@ def _linear(op, layer, t, module, act_dtype, dtype_of_weight):
 
 def op_costs(engine: Engine, t: int, s: int, act_dtype: torch.dtype, prefill: bool) -> list[dict]:
     """FLOPs and bytes of every op for T new positions attending to S positions, the matrices read in act_dtype
-    (the phase's path, kvbook.paths) and lm_head's one row in the decode path's dtype."""
+    (the phase's path, kvbook.runtime.paths) and lm_head's one row in the decode path's dtype."""
     m, model = engine.config.model, engine.model
     a = torch.finfo(act_dtype).bits // 8
     d = act_dtype

@@ -12,7 +12,7 @@ A replay reuses the recorded shapes and memory addresses, so the step is written
 - the cache is the decoder's own and every sequence reuses it: its address is part of the graphs.
 
 On the CPU the same fixed-shape step runs eagerly, without a graph: the tests check it against the ordinary
-decode step there. Explained in chapter 7 ("Latency").
+decode step there. Explained in the appendix ("Making it fast on a CPU").
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .kv_cache import BucketedCache, KVCache
+from ..cache.contiguous import BucketedCache, KVCache
+from .inputs import prepare_decode
 
 
 def wanted(config, device: torch.device) -> bool:
@@ -33,7 +34,8 @@ def wanted(config, device: torch.device) -> bool:
 
 
 class GraphedDecoder:
-    """Fixed-shape decode for one sequence at a time on the engine's contiguous cache (kvbook.engine.Engine.stream).
+    """Fixed-shape decode for one sequence at a time on the engine's contiguous cache
+    (kvbook.runtime.engine.Engine.stream).
 
     capture: record and replay CUDA graphs (default: on a CUDA device); False runs the same step eagerly."""
 
@@ -50,7 +52,7 @@ class GraphedDecoder:
         self.token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1], the token fed
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)  # [1], where it goes in the cache
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, its logits)
-        self.pool = None  # one memory pool shared by every bucket's graph
+        self.graph_pool = None  # one CUDA graph memory pool shared by every bucket's graph (not a BlockPool)
         self._holder = threading.Lock()  # held by the sequence decoding on self.cache
 
     @property
@@ -110,9 +112,9 @@ class GraphedDecoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (a server's, the weight cache writer's) may not break the capture
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream, capture_error_mode="thread_local"):
             logits = self._forward(bucket)
-        self.pool = graph.pool()
+        self.graph_pool = graph.pool()
         return graph, logits
 
 
@@ -129,10 +131,8 @@ def compare_with_ordinary(engine, prompt: list[int], steps: int) -> dict:
     token = int(logits[0, -1].argmax())
     same, max_diff = True, 0.0
     for _ in range(steps):
-        position = plain.length
         fixed = decoder.step(token).float()  # [1, 1, vocab]
-        ordinary = engine.model(torch.tensor([[token]], device=engine.device),
-                                torch.tensor([position], device=engine.device), plain).float()
+        ordinary = engine.model(*prepare_decode([token], [plain], engine.device)).float()
         max_diff = max(max_diff, float((fixed - ordinary).abs().max()))
         same = same and int(fixed.argmax()) == int(ordinary.argmax())
         token = int(ordinary[0, -1].argmax())

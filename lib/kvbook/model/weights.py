@@ -24,8 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .config import ConfigError, ModelConfig
-from .model import Qwen3ForCausalLM
+from ..config import ConfigError, ModelConfig
+from .qwen3 import Qwen3ForCausalLM
 
 INIT_STD = 0.02  # transformers' initializer_range for Qwen3
 INIT_VERSION = 1  # bump when the drawing below changes, so old cache files are not reused
@@ -85,7 +85,7 @@ def check_shapes(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
                                   f"the model needs {list(shape)}")
 
 
-# ---- a copy of the decoder layers' matrices in a faster dtype for prefill (kvbook.linear) ----------------
+# ---- a copy of the decoder layers' matrices in a faster dtype for prefill (kvbook.model.linear) ----------------
 
 def prefill_weight_names(cfg: ModelConfig) -> list[str]:
     """The layers' matrices: prefill's arithmetic. lm_head runs on one position and the embedding is a lookup."""

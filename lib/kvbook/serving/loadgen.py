@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import Config
+from ..config import Config
 
 PROMPTS = [f"Request {i}: explain what a KV cache stores during decoding, and why it saves time." for i in range(64)]
 

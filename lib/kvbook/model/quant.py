@@ -1,8 +1,7 @@
-"""Reading fewer bytes: int8 weights ([inference] weight_dtype = "int8") and a quantized KV cache
-([kv_cache] cache_dtype = "int8" or "float8_e4m3fn").
+"""Reading fewer bytes: int8 weights ([inference] weight_dtype = "int8").
 
 At batch 1 a decode step reads every weight once and does two FLOPs per weight read: no float16 engine gets below
-weight bytes / memory bandwidth (chapter 7's roofline). Storing the matrices in int8 halves those bytes.
+weight bytes / memory bandwidth (chapter 8's roofline). Storing the matrices in int8 halves those bytes.
 
 Weights, per output channel (one row of a [out, in] matrix):
     scale = max(|row|) / 127,  q = round(row / scale) in -127..127,  row ~ q * scale.
@@ -16,13 +15,10 @@ kernel is fast only with bfloat16 activations (float16 and float32 ones take 10-
 BENCHMARKS.md), so on the CPU the rows are converted to bfloat16 for it and the result back to the caller's dtype.
 
 Prefill (more than DECODE_ROWS rows) is a matrix product, where this kernel is not the fast path on every CPU: it
-uses the layer's floating prefill copy when the engine made one (kvbook.weights, [inference] prefill_dtype), else
+uses the layer's floating prefill copy when the engine made one (kvbook.model.weights, [inference] prefill_dtype), else
 dequantizes the matrix for the call. lm_head is quantized too (a third of the weights; it runs on one position in
 prefill as well); the embedding stays in [inference] dtype: a lookup reads one row per token.
-
-KV cache: each position's K (and V) of each head, head_dim numbers, shares one float16 scale (max |x| / 127 for
-int8, / 448 for float8 e4m3), so a position costs head_dim + 2 bytes per head instead of 2 x head_dim. Attention
-reads the cache dequantized to float32, where its products run anyway (kvbook.attention).
+The quantized KV cache's numbers are in kvbook.cache.kv_quant.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
-from .config import ConfigError
+from ..config import QuantizationError
 from .linear import Linear
 
 INT8_MAX = 127
@@ -42,10 +38,6 @@ INT8_MAX = 127
 DECODE_ROWS = 16
 # rows quantized at a time: bounds the float32 temporary (rows x in_features x 4 bytes)
 QUANTIZE_CHUNK_ROWS = 4096
-
-
-class QuantizationError(ConfigError):
-    """A checkpoint that cannot be quantized, or a device that cannot run the int8 kernels."""
 
 
 def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -93,7 +85,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.register_buffer("qweight", q)  # int8 [out, in]
         self.register_buffer("scale", scale)  # [out], in the kernel's activation dtype
-        self.prefill_weight = prefill_weight  # a floating copy for prefill (kvbook.linear), or None
+        self.prefill_weight = prefill_weight  # a floating copy for prefill (kvbook.model.linear), or None
 
     @classmethod
     def from_linear(cls, linear: Linear, act_dtype: torch.dtype, name: str = "weight") -> Int8Linear:
@@ -118,7 +110,7 @@ class Int8Linear(nn.Module):
 
 def int8_cache_path(model_cfg, dtype: torch.dtype, act_dtype: torch.dtype) -> Path:
     """Where the int8 matrices of the random weights are cached, beside the weights' own file."""
-    from .weights import random_weights_path  # kvbook.weights imports the model, which imports this module
+    from .weights import random_weights_path  # kvbook.model.weights imports the model, which imports this module
 
     path = random_weights_path(model_cfg, dtype)
     return path.with_name(f"{path.stem}.int8-{str(act_dtype).removeprefix('torch.')}.safetensors")
@@ -129,7 +121,7 @@ def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, d
 
     A model already quantized (shared by another Engine) is left as it is. A tied lm_head (Qwen3's small sizes)
     gets its own int8 copy: the embedding stays floating for the lookup. drawn_from: the ModelConfig of random
-    weights (kvbook.weights): their int8 matrices are read from the weight cache, or quantized and then written
+    weights (kvbook.model.weights): their int8 matrices are read from the weight cache, or quantized and then written
     there in the background, as the weights themselves are."""
     from .weights import _save_in_background
 
@@ -169,7 +161,7 @@ def int8_weight_bytes(model_cfg, float_size: int, scale_size: int = 2, decode: b
     """Bytes of the weights with int8 matrices (one scale of scale_size bytes per output channel) and norms in
     the floating dtype. decode=True: what a decode step reads (the embedding contributes one row, counted as
     none); False: what the model keeps (the embedding whole, in the floating dtype; no prefill copies)."""
-    from .weights import expected_shapes  # kvbook.weights imports the model, which imports this module
+    from .weights import expected_shapes  # kvbook.model.weights imports the model, which imports this module
 
     total = 0
     for name, shape in expected_shapes(model_cfg).items():
@@ -194,45 +186,6 @@ def check_int8_kernel(device: torch.device, act_dtype: torch.dtype) -> None:
         raise QuantizationError(f"[inference] weight_dtype = \"int8\": the int8 kernel does not run on {device} "
                                 f"with {act_dtype} activations ({str(err).splitlines()[0]}); use weight_dtype = "
                                 "\"auto\"") from None
-
-
-# ---- the KV cache ---------------------------------------------------------------------------------------
-
-KV_STORAGE = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
-KV_MAX = {"int8": float(INT8_MAX), "float8_e4m3fn": torch.finfo(torch.float8_e4m3fn).max}  # 127, 448
-KV_SCALE_DTYPE = torch.float16
-
-
-def is_quantized_cache(cache_dtype: str) -> bool:
-    return cache_dtype in KV_STORAGE
-
-
-def quantize_kv(x: torch.Tensor, cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (values [..., D] in the cache's storage dtype, scale [..., 1] float16): one scale per
-    position and head."""
-    top = KV_MAX[cache_dtype]
-    amax = x.float().abs().amax(dim=-1, keepdim=True)  # [..., 1]
-    scale = (amax / top).to(KV_SCALE_DTYPE).clamp(min=torch.finfo(KV_SCALE_DTYPE).smallest_normal * 2**-10)
-    scaled = x.float() / scale.float()
-    if cache_dtype == "int8":
-        return scaled.round_().clamp_(-top, top).to(torch.int8), scale
-    return scaled.clamp_(-top, top).to(KV_STORAGE[cache_dtype]), scale
-
-
-def dequantize_kv(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """-> float32 [..., D]: attention's products run in float32."""
-    return values.float() * scale.float()
-
-
-def check_cache_dtype(cache_dtype: str, device: torch.device) -> None:
-    """Quantize and dequantize a few numbers on the device: one that cannot store cache_dtype fails here."""
-    if not is_quantized_cache(cache_dtype):
-        return
-    try:
-        dequantize_kv(*quantize_kv(torch.ones(2, 4, device=device), cache_dtype))
-    except (RuntimeError, NotImplementedError, TypeError) as err:
-        raise QuantizationError(f"[kv_cache] cache_dtype = {cache_dtype!r} does not run on {device} "
-                                f"({str(err).splitlines()[0]}); use \"int8\" or \"float16\"") from None
 
 
 # ---- what quantization costs: the same tokens fed to two engines, their next-token distributions compared ----

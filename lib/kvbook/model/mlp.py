@@ -1,6 +1,7 @@
 """The SwiGLU feed-forward block: down_proj(silu(gate_proj(x)) * up_proj(x)).
 
-Explained in chapter 3 ("Inside layer 0")."""
+Shapes: C = hidden_size, I = intermediate_size (the article's model: 4096 and 11008). Explained in chapter 3
+("Inside layer 0")."""
 
 from __future__ import annotations
 
@@ -20,6 +21,6 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, device=device)
         self.swiglu = Probe()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 4096]
-        gated = self.swiglu(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, 11008]
-        return self.down_proj(gated)  # [B, T, 4096]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C]
+        gated = self.swiglu(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, I]
+        return self.down_proj(gated)  # [B, T, C]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 def hf_config(cfg: ModelConfig, attn_implementation: str | None = None):
@@ -38,7 +38,7 @@ def hf_random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, seed: 
 
 
 def hf_weights(model) -> dict[str, torch.Tensor]:
-    """Its tensors under their Hugging Face names, for kvbook.weights.build_model (a tied lm_head left out)."""
+    """Its tensors under their Hugging Face names, for kvbook.model.weights.build_model (a tied lm_head left out)."""
     weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)

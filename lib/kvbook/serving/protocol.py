@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
-from .tokenizer import ROLES
+from ..tokenizer import ROLES
 
 Role = Literal[tuple(ROLES)]  # type: ignore[valid-type]
 

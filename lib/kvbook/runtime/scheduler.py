@@ -13,7 +13,8 @@ prompt no longer stalls everyone's next token for its whole prefill. Its first t
 
 A sequence's tokens do not depend on its neighbours: each row of a decode step attends to its own cache, and
 the step computes in one dtype whatever the batch size (Engine.batch_dtype, measured for the machine by
-kvbook.paths), and its rows are padded as kvbook.paths measured (kvbook.linear.batch_invariant_rows). With
+kvbook.runtime.paths), and its rows are padded as kvbook.runtime.paths measured
+(kvbook.model.linear.batch_invariant_rows). With
 max_num_seqs = 1 there is never a batch and decode runs in the lone step's dtype (Engine.decode_dtype), as
 Engine.stream does. Explained in chapter 11 ("Tuning the service").
 """
@@ -23,52 +24,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .engine import Engine, Generation, Step, make_step
-from .linear import batch_invariant_rows
-from .paged_cache import PagedKVCache
+from ..model.linear import batch_invariant_rows
+from .inputs import prepare_decode
 from .sampling import sample_next
-from .tokenizer import EOS_IDS
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request inside the scheduler."""
-
-    seq_id: int
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    steps: list[Step] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
-    error: Exception | None = None
-    cached_positions: int = 0  # prompt positions taken from the prefix cache instead of computed
-    prefill_ms: float = 0.0  # chunked prefill: the passes of its chunks so far
-    aborted: bool = False  # set from any thread; the scheduler frees the sequence at its next step
-    cache: object = field(default=None, repr=False)
-    generator: torch.Generator | None = field(default=None, repr=False)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return [step.token_id for step in self.steps]
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def generation(self) -> Generation:
-        return Generation(list(self.prompt), self.output_ids, self.finish_reason or "length", list(self.steps))
-
-    def _done_after(self, token: int) -> str | None:
-        if token in EOS_IDS and not self.ignore_eos:
-            return "stop"
-        return "length" if len(self.steps) == self.max_new_tokens else None
+from .sequence import Sequence, make_step
 
 
 @dataclass(frozen=True)
@@ -84,13 +47,16 @@ class BatchStep:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_num_seqs: int, record_timeline: bool = False, prefill_chunk: int = 0):
+    """Runs the requests of one kvbook.runtime.engine.Engine (given, not imported: the engine builds a scheduler
+    for generate_batch)."""
+
+    def __init__(self, engine, max_num_seqs: int, record_timeline: bool = False, prefill_chunk: int = 0):
         if not engine.config.kv_cache.enable:
             raise ValueError("batched generation needs the KV cache; set kv_cache.enable = true")
         self.engine = engine
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
-        self.decode_dtype = engine.batch_dtype if max_num_seqs > 1 else engine.decode_dtype  # kvbook.paths
+        self.decode_dtype = engine.batch_dtype if max_num_seqs > 1 else engine.decode_dtype  # kvbook.runtime.paths
         if max_num_seqs > 1:
             engine.prepare_batched_decode()
         self.waiting: deque[Sequence] = deque()
@@ -150,7 +116,7 @@ class Scheduler:
             seq.steps.append(make_step(len(seq.steps), phase, token, step_ms, seq.cache, computed))
             if self.engine.prefix_caching:
                 seq.cache.register_full_blocks(seq.prompt + seq.output_ids)
-            seq.finish_reason = seq._done_after(token)
+            seq.finish_reason = seq.finish_after(token)
         self._record(phase, ms, batch)
         self._retire([seq for seq in batch if seq.finished])
         return batch
@@ -179,18 +145,18 @@ class Scheduler:
 
     def _decode(self, batch: list[Sequence]) -> list[int]:
         device = self.engine.device
-        ids = torch.tensor([[seq.steps[-1].token_id] for seq in batch], device=device)  # [B, 1]
-        positions = torch.tensor([seq.cache.length for seq in batch], device=device)  # [B]
-        # rows padded as kvbook.paths measured, so that a row's numbers do not depend on its neighbours
+        ids, positions, inputs = prepare_decode([seq.steps[-1].token_id for seq in batch],
+                                                [seq.cache for seq in batch], device)  # [B, 1], [B]
+        # rows padded as kvbook.runtime.paths measured, so that a row's numbers do not depend on its neighbours
         invariant = batch_invariant_rows(self.engine.paths.batch_row_multiple) if self.max_num_seqs > 1 \
             else contextlib.nullcontext()
         with torch.inference_mode(), invariant:
-            logits = self.engine.model(ids, positions, [seq.cache for seq in batch],
+            logits = self.engine.model(ids, positions, inputs,
                                        compute_dtype=self.decode_dtype)  # [B, 1, vocab]
         return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator) for b, seq in enumerate(batch)]
 
     def _worst_case_blocks(self, seq: Sequence) -> int:
-        return -(-(len(seq.prompt) + seq.max_new_tokens - 1) // self.engine.pool.block_size)
+        return -(-seq.positions_needed // self.engine.pool.block_size)
 
     def _can_admit(self, seq: Sequence) -> bool:
         if len(self.running) >= self.max_num_seqs:
@@ -216,8 +182,8 @@ class Scheduler:
         for seq in finished:
             if seq in self.running:
                 self.running.remove(seq)
-            if isinstance(seq.cache, PagedKVCache):
-                seq.cache.free()
+            if seq.cache is not None:
+                seq.cache.free()  # a paged cache's blocks go back to the pool
             seq.cache = None  # a contiguous cache's memory goes with it
 
     def _record(self, phase: str, ms: float, batch: list[Sequence]) -> None:
@@ -227,4 +193,4 @@ class Scheduler:
         self.timeline.append(BatchStep(
             len(self.timeline), phase, ms, tuple(s.seq_id for s in batch),
             {s.seq_id: s.cache.length for s in live},
-            {s.seq_id: tuple(s.cache.block_table) for s in live if isinstance(s.cache, PagedKVCache)}))
+            {s.seq_id: tuple(s.cache.block_table) for s in live if s.cache.block_table is not None}))

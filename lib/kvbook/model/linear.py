@@ -3,7 +3,7 @@
 Prefill multiplies every prompt position by every weight matrix: it is limited by arithmetic. A lone decode step
 multiplies one position: it is limited by how fast the weights are read. A batched decode step multiplies a few.
 Which dtype computes each fastest depends on the device (a CPU's vector instructions and the kernels torch has for
-them), so kvbook.paths measures it once per machine, and the engine gives each Linear a copy of its float16
+them), so kvbook.runtime.paths measures it once per machine, and the engine gives each Linear a copy of its float16
 weight in the dtypes its phases chose (`copies`). The input's dtype selects the copy; an input in no copy's dtype
 is cast to the weight's. The weight itself keeps the article's float16 values.
 
@@ -11,7 +11,7 @@ The input always reaches F.linear as a 2-D [rows, in] matrix: some CPUs' F.linea
 lm_head's [1, 1, in] into a batched matrix product that copies the whole transposed weight first.
 
 A lone row may read a wide matrix (down_proj's 11008 inputs) faster as contiguous column blocks of at most
-SPLIT_WIDTH inputs, on some CPUs; kvbook.paths measures whether (`split_input`).
+SPLIT_WIDTH inputs, on some CPUs; kvbook.runtime.paths measures whether (`split_input`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ _state = threading.local()
 def batch_invariant_rows(multiple: int):
     """Inside: every product's rows are padded (with zeros) to a multiple of `multiple`. A CPU library may pick
     its kernel, and with it the rounding, by the number of rows (one row as a matrix-vector product, or blocks of
-    4 rows); padded so, a sequence decoding alone gets exactly the numbers it gets in a batch (kvbook.scheduler).
-    kvbook.paths measures the smallest multiple that does this for the batched dtype on this machine."""
+    4 rows); padded so, a sequence decoding alone gets exactly the numbers it gets in a batch
+    (kvbook.runtime.scheduler).
+    kvbook.runtime.paths measures the smallest multiple that does this for the batched dtype on this machine."""
     previous = getattr(_state, "multiple", None)
     _state.multiple = multiple
     try:
@@ -51,12 +52,12 @@ class Linear(nn.Linear):
         self.copies: dict[torch.dtype, torch.Tensor] = {}  # the weight's values in other dtypes, for arithmetic
         self.blocks: dict[torch.dtype, list[torch.Tensor]] = {}  # column blocks of the weight or a copy
         # lm_head: a lone row (prefill's last position, a decode step) computes in this dtype, whatever the
-        # dtype of the layers' activations (kvbook.paths' decode choice)
+        # dtype of the layers' activations (kvbook.runtime.paths' decode choice)
         self.row_dtype: torch.dtype | None = None
         self.prefill_dtype: torch.dtype | None = None  # the dtype of the copy prefill reads (prefill_weight)
 
     def reset_parameters(self) -> None:
-        """No random init: weights always come from kvbook.weights (drawn from the config's seed or loaded)."""
+        """No random init: weights always come from kvbook.model.weights (drawn from the config's seed or loaded)."""
 
     @property
     def prefill_weight(self) -> torch.Tensor | None:

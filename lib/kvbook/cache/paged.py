@@ -6,7 +6,7 @@ block table — the ids of its blocks, in order — and position p lives in slot
 of every layer's K and V storage. Blocks are allocated on demand, one more exactly when a position crosses a
 block boundary (positions 256, 272, ... start a new block: 16 blocks after a 256-token prefill, 24 at 383
 positions), and returned to the pool when the sequence is freed. Attention reads through the block table.
-Explained in chapter 10 ("Memory").
+Explained in chapter 9 ("Memory").
 
 Prefix caching ([kv_cache] prefix_caching, vLLM's automatic prefix caching): a full block is keyed by a hash
 of its tokens and of every token before it, so equal keys mean equal K and V. A new prompt that starts with
@@ -22,9 +22,10 @@ from collections import deque
 
 import torch
 
-from . import quant
-from .config import KVCacheConfig, ModelConfig, kv_cache_bytes
-from .kv_cache import CacheFullError, LayeredCache, storage_dtype
+from ..config import KVCacheConfig, ModelConfig
+from . import kv_quant
+from .contiguous import CacheFullError, LayeredCache, storage_dtype
+from .memory import blocks_for_budget, kv_cache_bytes
 
 
 class PoolExhaustedError(CacheFullError):
@@ -42,14 +43,14 @@ class BlockPool:
         dtype = storage_dtype(kv.cache_dtype)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_hidden_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_hidden_layers)]
-        # a quantized cache (kvbook.quant): one float16 scale per slot and head, [slots, KV, 1]
-        self.quantized = kv.cache_dtype if quant.is_quantized_cache(kv.cache_dtype) else None
+        # a quantized cache (kvbook.cache.kv_quant): one float16 scale per slot and head, [slots, KV, 1]
+        self.quantized = kv.cache_dtype if kv_quant.is_quantized_cache(kv.cache_dtype) else None
         self.k_scale = self.v_scale = None
         if self.quantized:
             scales = (slots, model.num_key_value_heads, 1)
-            self.k_scale = [torch.zeros(scales, dtype=quant.KV_SCALE_DTYPE, device=device)
+            self.k_scale = [torch.zeros(scales, dtype=kv_quant.KV_SCALE_DTYPE, device=device)
                             for _ in range(model.num_hidden_layers)]
-            self.v_scale = [torch.zeros(scales, dtype=quant.KV_SCALE_DTYPE, device=device)
+            self.v_scale = [torch.zeros(scales, dtype=kv_quant.KV_SCALE_DTYPE, device=device)
                             for _ in range(model.num_hidden_layers)]
         self._block_bytes = kv_cache_bytes(model, self.block_size, kv.cache_dtype)
         # least recently freed first: a freed block that still has a key is reused for new positions last
@@ -104,7 +105,7 @@ class BlockPool:
         return self.num_blocks - len(self.free_blocks)
 
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V (and their scales): config.kv_cache_bytes."""
+        """Bytes of one block across all layers, K and V (and their scales): kvbook.cache.memory.kv_cache_bytes."""
         return self._block_bytes
 
     def reserved_bytes(self) -> int:
@@ -121,16 +122,8 @@ def block_keys(token_ids: list[int], block_size: int, parent: bytes = b"") -> li
     return keys
 
 
-def blocks_for_budget(model: ModelConfig, kv: KVCacheConfig) -> int:
-    """pool_mib of memory in blocks; 0 means the contiguous cache's budget (max_cache_len positions)."""
-    per_block = kv_cache_bytes(model, kv.block_size, kv.cache_dtype)  # an int8 cache: about half a float16 one
-    if kv.pool_mib:
-        return max(1, kv.pool_mib * 2**20 // per_block)
-    return -(-kv.max_cache_len // kv.block_size)
-
-
 class PagedLayerCache:
-    """One layer's view of a sequence: the same append/keys/values as kvbook.kv_cache.LayerKVCache."""
+    """One layer's view of a sequence: the same append/keys/values as kvbook.cache.contiguous.LayerKVCache."""
 
     def __init__(self, sequence: PagedKVCache, layer: int):
         self.sequence, self.layer = sequence, layer
@@ -144,9 +137,9 @@ class PagedLayerCache:
         pool = self.sequence.pool
         storage_k, storage_v = pool.k[self.layer], pool.v[self.layer]
         if pool.quantized:
-            storage_k[slots], pool.k_scale[self.layer][slots] = quant.quantize_kv(k_new[0].transpose(0, 1),
+            storage_k[slots], pool.k_scale[self.layer][slots] = kv_quant.quantize_kv(k_new[0].transpose(0, 1),
                                                                                   pool.quantized)
-            storage_v[slots], pool.v_scale[self.layer][slots] = quant.quantize_kv(v_new[0].transpose(0, 1),
+            storage_v[slots], pool.v_scale[self.layer][slots] = kv_quant.quantize_kv(v_new[0].transpose(0, 1),
                                                                                   pool.quantized)
         else:
             storage_k[slots] = k_new[0].transpose(0, 1).to(storage_k.dtype)  # [T, KV, D], converted to cache_dtype
@@ -166,12 +159,12 @@ class PagedLayerCache:
         """Read positions 0 .. length-1 through the block table: [1, KV, length, D] (float32 if quantized)."""
         slots = self.sequence.slot_mapping(0, self.length)
         if scales is not None:
-            return quant.dequantize_kv(storage[slots], scales[slots]).transpose(0, 1)[None]
+            return kv_quant.dequantize_kv(storage[slots], scales[slots]).transpose(0, 1)[None]
         return storage[slots].transpose(0, 1)[None]
 
 
 class PagedKVCache(LayeredCache):
-    """One sequence in a BlockPool, with the same interface as kvbook.kv_cache.KVCache."""
+    """One sequence in a BlockPool, with the same interface as kvbook.cache.contiguous.KVCache."""
 
     def __init__(self, pool: BlockPool, num_layers: int, max_len: int):
         self.pool = pool

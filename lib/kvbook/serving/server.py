@@ -7,11 +7,11 @@ Routes, under the path of [server].api_base ("/api" for "http://127.0.0.1:8000/a
   POST {path}{model_endpoint}   chat completions, streaming (SSE) or not
   GET  {path}/v1/models         the one model, named by [model].name
   GET  /health                  liveness, never needs a key
-  GET  /metrics                 Prometheus metrics (kvbook.metrics), never needs a key
-  GET  /openapi.json            the schema of every route, request and answer (kvbook.protocol)
+  GET  /metrics                 Prometheus metrics (kvbook.serving.metrics), never needs a key
+  GET  /openapi.json            the schema of every route, request and answer (kvbook.serving.protocol)
 
-Bodies are the pydantic models of kvbook.protocol; a bad body is answered 400 in OpenAI's error format.
-Requests are batched continuously (kvbook.scheduler, in a thread of its own): a request joins the running batch
+Bodies are the pydantic models of kvbook.serving.protocol; a bad body is answered 400 in OpenAI's error format.
+Requests are batched continuously (kvbook.runtime.scheduler, in a thread of its own): a request joins the running batch
 after its prefill and leaves it when it finishes; up to [server].max_num_seqs decode together, up to
 [server].max_waiting wait in arrival order, and past that a request is answered 503 at once with a Retry-After
 header. A request that could never fit (the positions, max_cache_len or the whole block pool) is refused with
@@ -22,11 +22,11 @@ blocks, and usage.prompt_tokens_details.cached_tokens says how many positions.
 When the environment variable named by [server].api_key_env is set, the routes under api_base's path need
 "Authorization: Bearer <key>" (/health, /metrics and /openapi.json never do).
 
-Logging (logger "kvbook.server", level INFO by default, `--log-level` to change): one line per decode step with
+Logging (logger "kvbook.serving.server", level INFO by default, `--log-level` to change): one line per decode step with
 the request id, the step, every layer's cache length and the step's milliseconds; one line per request with
 prompt and completion tokens, TTFT (from arrival) and mean TPOT as the request saw them, and the engine's own
 prefill and mean decode-step times. Explained in
-chapters 9 ("Serving") and 11 ("Tuning the service").
+chapters 10 ("Serving") and 11 ("Tuning the service").
 """
 
 from __future__ import annotations
@@ -50,9 +50,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import Config, kv_cache_bytes
-from .engine import Engine
-from .kv_cache import CacheFullError
+from ..cache.contiguous import CacheFullError
+from ..cache.memory import kv_cache_bytes
+from ..config import Config
+from ..runtime.engine import Engine
+from ..runtime.scheduler import Scheduler
+from ..runtime.sequence import Sequence
+from ..tokenizer import EOS_IDS, Tokenizer, get_default_tokenizer
 from .metrics import ServerMetrics
 from .protocol import (
     AssistantMessage,
@@ -69,10 +73,8 @@ from .protocol import (
     Usage,
     explain_validation_error,
 )
-from .scheduler import Scheduler, Sequence
-from .tokenizer import EOS_IDS, Tokenizer, get_default_tokenizer
 
-log = logging.getLogger("kvbook.server")
+log = logging.getLogger("kvbook.serving.server")
 
 
 class RequestError(Exception):
@@ -409,7 +411,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None, record_timeli
                     raise step
                 run.record(step, ticket.sequence)
                 piece = text.add(step.token_id)
-                if step.token_id in EOS_IDS and not sampling.ignore_eos:
+                if ticket.sequence.stops_on(step.token_id):
                     run.finish_reason = "stop"
                 if text.stopped:
                     run.finish_reason = "stop"

@@ -12,9 +12,10 @@ import os
 import sys
 import warnings
 
-from .config import Config, ConfigError, load_config
-from .kv_cache import CacheFullError
-from .weights import CheckpointError
+from ..cache.contiguous import CacheFullError
+from ..config import Config, ConfigError, load_config
+from ..device import enable_huge_pages
+from ..model.weights import CheckpointError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,8 +94,8 @@ def _fmt(shape) -> str:
 
 
 def cmd_trace(config: Config, args) -> None:
-    from .engine import Engine
-    from .tokenizer import build_prompt_ids
+    from ..runtime.engine import Engine
+    from ..tokenizer import build_prompt_ids
     from .trace import Tracer, checklist
 
     engine = Engine(config, progress=not args.json)
@@ -136,8 +137,8 @@ def cmd_serve(config: Config, args) -> None:
     import logging
     from urllib.parse import urlparse
 
-    from .engine import Engine
-    from .server import GracefulServer, create_app
+    from ..runtime.engine import Engine
+    from ..serving.server import GracefulServer, create_app
 
     if args.shutdown_grace < 0:
         raise ConfigError(f"--shutdown-grace {args.shutdown_grace:g}: must be >= 0 seconds")
@@ -170,7 +171,7 @@ def cmd_bench(config: Config, args) -> None:
         print(json.dumps(result) if args.json else format_batch_sweep(result))
         return
     if args.load:
-        from .loadgen import format_load, run_load
+        from ..serving.loadgen import format_load, run_load
 
         try:
             rates = [float(part) for part in args.load.replace(" ", "").split(",") if part]
@@ -214,8 +215,8 @@ def _parse_ints(text: str, option: str, what: str, example: str) -> list[int]:
 
 
 def cmd_generate(config: Config, args) -> None:
-    from .engine import Engine
-    from .tokenizer import build_prompt_ids, get_default_tokenizer
+    from ..runtime.engine import Engine
+    from ..tokenizer import build_prompt_ids, get_default_tokenizer
 
     if args.num_layers is not None and not args.checkpoint:
         raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
@@ -267,6 +268,7 @@ COMMANDS = {"trace": cmd_trace, "generate": cmd_generate, "serve": cmd_serve, "b
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_huge_pages()  # before any tensor is allocated (kvbook.device)
     warnings.formatwarning = lambda message, category, *rest: f"kvbook: warning: {message}\n"
     try:
         args = build_parser().parse_args(argv)

@@ -11,7 +11,8 @@ torch's version and thread count, and the shapes). On a GPU the choice is by cap
 tensor cores run natively. A float32 copy holds the float16 values exactly; a bfloat16 copy rounds them to 8 bits
 of mantissa (a numeric choice, stated wherever the path is printed). Copies cost memory, counted by the bench.
 
-[inference] prefill_dtype pins prefill's dtype ("auto" = measured). Chapter 7 ("Latency") shows the choice.
+[inference] prefill_dtype pins prefill's dtype ("auto" = measured). The appendix ("Making it fast on a CPU") shows
+the choice.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from .config import Config
-from .device import TORCH_DTYPES, synchronize
-from .weights import cache_dir
+from ..config import Config
+from ..device import TORCH_DTYPES, synchronize
+from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
 PATHS_VERSION = 3  # bump when what is measured changes, so old choices are measured again
@@ -79,9 +80,9 @@ class ComputePaths:
     batched_decode: PhasePath
     source: str  # "measured", "cached", "capability" or "fixed"
     measured_s: float = 0.0  # time the measurement took (0 when read from the cache)
-    split_wide_rows: bool = False  # a lone row reads down_proj as column blocks (kvbook.linear)
+    split_wide_rows: bool = False  # a lone row reads down_proj as column blocks (kvbook.model.linear)
     split_reason: str = "not measured"
-    batch_row_multiple: int = 1  # batched rows padded to a multiple of this (kvbook.linear.batch_invariant_rows)
+    batch_row_multiple: int = 1  # batched rows padded to a multiple of this (kvbook.model.linear.batch_invariant_rows)
     batch_row_reason: str = "not measured"
     others_cpu_share: float | None = None  # other processes' share of the CPUs while measuring (None: unknown)
 
@@ -178,7 +179,7 @@ def paths_cache_dir() -> Path:
 def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
                 repeats: int = 5, split: int = 0, give_up_s: float = float("inf")) -> float:
     """Best seconds of F.linear([rows, in], [out, in]) in dtype; split > 0: the weight as column blocks of at
-    most `split` inputs, summed (kvbook.linear). A warm-up slower than give_up_s is not repeated (a dtype that
+    most `split` inputs, summed (kvbook.model.linear). A warm-up slower than give_up_s is not repeated (a dtype that
     has already lost)."""
     weight = torch.randn(out_features, in_features, device=device).to(dtype)
     x = torch.randn(rows, in_features, device=device).to(dtype)
@@ -252,9 +253,9 @@ def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: t
 
 
 def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device) -> tuple[float, float] | None:
-    """One row through down_proj's shape, as one matrix and as column blocks (kvbook.linear.SPLIT_WIDTH wide):
+    """One row through down_proj's shape, as one matrix and as column blocks (kvbook.model.linear.SPLIT_WIDTH wide):
     (plain ms, split ms), or None when no matrix is that wide."""
-    from .linear import SPLIT_WIDTH
+    from ..model.linear import SPLIT_WIDTH
 
     m = config.model
     if m.intermediate_size <= SPLIT_WIDTH:

@@ -1,7 +1,7 @@
 """What the chapters show: parameter tables, plots, and the decode-step scrubber (a live ipywidgets one for a
 running kernel; for the rendered book, which has no kernel, the recorded data drawn by a small inline script).
 
-Every figure is made from a real run recorded by kvbook.trace.Tracer; nothing here computes the model.
+Every figure is made from a real run recorded by kvbook.tools.trace.Tracer; nothing here computes the model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from .config import DTYPE_BYTES, Config, ModelConfig, load_config
+from ..cache.memory import kv_cache_bytes
+from ..config import DTYPE_BYTES, Config, ModelConfig, load_config
+from ..device import enable_huge_pages
 
 matplotlib.rcParams.update({"figure.dpi": 72, "figure.figsize": (6.4, 3.2), "axes.grid": True, "grid.alpha": 0.3})
 
@@ -32,7 +34,9 @@ def config_path() -> Path:
 
 
 def book_config(*overrides: str) -> Config:
-    """The repository's config.toml with --set style overrides, e.g. book_config("kv_cache.enable=false")."""
+    """The repository's config.toml with --set style overrides, e.g. book_config("kv_cache.enable=false").
+    A chapter's first call: it also turns on huge pages for the weights (kvbook.device.enable_huge_pages)."""
+    enable_huge_pages()
     return load_config(config_path(), list(overrides))
 
 
@@ -106,8 +110,7 @@ def token_label(tokenizer, token_id: int) -> str:
 
 def plot_cache_growth(steps: pd.DataFrame, model_cfg: ModelConfig, cache_dtype: str):
     """Cache length (positions) and cache bytes after each step: prefill, then one position per decode step."""
-    per_position = 2 * model_cfg.num_hidden_layers * model_cfg.num_key_value_heads * model_cfg.head_dim * \
-        DTYPE_BYTES[cache_dtype]
+    per_position = kv_cache_bytes(model_cfg, 1, cache_dtype)
     fig, left = plt.subplots()
     left.plot(steps["step"], steps["cache_len"], marker=".", markersize=3)
     left.set_xlabel("step (0 = prefill, then one decode step per generated token)")

@@ -1,9 +1,9 @@
 """A small client for any OpenAI-compatible chat completions API: this project's server, vLLM, or a hosted one.
 
 It reads the base URL, the endpoint and the name of the key's environment variable from config.toml's
-[server] section; the key itself comes only from that environment variable. Explained in chapter 9.
+[server] section; the key itself comes only from that environment variable. Explained in chapter 10.
 
-    from kvbook.client import chat, stream_chat
+    from kvbook.serving.client import chat, stream_chat
     result = chat([{"role": "user", "content": "Hi"}], model="qwen3-3layer-demo", max_tokens=16)
     print(result.status, result.usage, result.elapsed_s)
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import requests
 
-from .config import Config, ServerConfig
+from ..config import Config, ServerConfig
 
 
 @dataclass
