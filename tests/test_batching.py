@@ -4,6 +4,7 @@ cache exactly what it would be alone (float32), per-sequence stop, with the cont
 import pytest
 import torch
 from kvbook.runtime.engine import Engine
+from kvbook.runtime.inputs import prepare_decode
 
 from .conftest import small_config
 
@@ -36,8 +37,7 @@ def test_batched_logits_match_single_sequence_logits(engine):
     prompts, tokens = PROMPTS[:2], [5, 6]
     with torch.inference_mode():
         caches = [prefilled(p) for p in prompts]
-        batched = engine.model(torch.tensor([[t] for t in tokens]), torch.tensor([len(p) for p in prompts]),
-                               caches)  # [2, 1, vocab]
+        batched = engine.model(*prepare_decode(tokens, caches, engine.device))  # [2, 1, vocab]
         alone = [engine.model(torch.tensor([[t]]), torch.tensor([len(p)]), prefilled(p))
                  for t, p in zip(tokens, prompts, strict=True)]
     assert list(batched.shape) == [2, 1, 151936]

@@ -43,14 +43,14 @@ class ForwardBatch:
         LayeredCache). No mask: each row's one query may look at its whole history."""
         return cls([[cache[i] for cache in caches] for i in range(len(caches[0]))], None, per_row=True)
 
+    def forward_batch(self, new: int, device) -> ForwardBatch:
+        """A ForwardBatch describes itself, as a cache does."""
+        return self
+
     @classmethod
     def of(cls, cache, num_layers: int, new: int, device) -> ForwardBatch:
-        """What the model's forward was given as `cache` -> a ForwardBatch: one already, None (no cache), a list of
-        caches (a batched decode step, one row each) or one cache (which describes itself)."""
-        if isinstance(cache, ForwardBatch):
-            return cache
+        """What the model's forward was given -> a ForwardBatch: None (no cache), or a cache or a ForwardBatch,
+        which describes itself (a batched decode step's comes from kvbook.runtime.inputs.prepare_decode)."""
         if cache is None:
             return cls.no_cache(num_layers, new, device)
-        if isinstance(cache, list):
-            return cls.per_row_decode(cache)
         return cache.forward_batch(new, device)

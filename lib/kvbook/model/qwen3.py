@@ -48,8 +48,9 @@ class Qwen3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch=None,
                 compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """input_ids [1, T], positions [T] -> final-normed hidden states [1, T, C].
-        batch: a ForwardBatch (kvbook.model.forward_batch), or what one is made of: None (no cache), a cache, or for
-        a batched decode step (input_ids [B, 1], positions [B], one per sequence) a list of B caches.
+        batch: a ForwardBatch (kvbook.model.forward_batch; a batched decode step's, input_ids [B, 1] and positions
+        [B] with one per sequence, from kvbook.runtime.inputs.prepare_decode), a cache (which describes itself),
+        or None (no cache).
         compute_dtype: the activations' dtype (default: the weights'); see kvbook.model.linear."""
         x = self.embed_tokens(input_ids)  # [B, T, C]
         x = x.to(compute_dtype or x.dtype)
@@ -74,7 +75,7 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch=None, last_only: bool = True,
                 compute_dtype: torch.dtype | None = None) -> torch.Tensor:
         """-> logits [B, 1, vocab] for the last position (what generation needs), or [B, T, vocab].
-        batch: a ForwardBatch, a cache, a list of caches or None, as Qwen3Model.forward takes."""
+        batch: a ForwardBatch, a cache or None, as Qwen3Model.forward takes."""
         hidden = self.model(input_ids, positions, batch, compute_dtype)  # [B, T, C]
         if last_only:
             hidden = hidden[:, -1:]  # [B, 1, C]: lm_head (C x V parameters) runs on one position only
