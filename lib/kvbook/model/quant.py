@@ -201,10 +201,9 @@ def teacher_forced_logits(engine, prompt: list[int], tokens: list[int]) -> torch
     for index, token in enumerate(tokens):
         position = torch.tensor([len(prompt) + index], device=engine.device)
         step = engine.model(torch.tensor([[token]], device=engine.device), position, cache,
-                            compute_dtype=getattr(engine, "decode_dtype", engine.dtype))  # [1, 1, vocab]
+                            compute_dtype=engine.decode_dtype)  # [1, 1, vocab]
         rows.append(step[0, -1].float())
-    if hasattr(cache, "free"):
-        cache.free()
+    cache.free()  # a paged cache's blocks go back to the pool
     return torch.stack(rows).cpu()
 
 
