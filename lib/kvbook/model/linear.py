@@ -127,8 +127,8 @@ def add_copies(model: nn.Module, dtype: torch.dtype) -> None:
 
 def weight_bytes_kept(model: nn.Module) -> int:
     """Bytes of every tensor the model keeps for its weights: the parameters (the article's values), the buffers
-    (an int8 layer's matrix and scales, kvbook.quant), and the arithmetic copies and column blocks (an int8 layer's
-    floating prefill copy), each storage counted once (a tied lm_head is the embedding)."""
+    (an int8 layer's matrix and scales, kvbook.model.quant), and the arithmetic copies and column blocks (an int8
+    layer's floating prefill copy), each storage counted once (a tied lm_head is the embedding)."""
     tensors = list(model.parameters()) + list(model.buffers())
     for module in model.modules():
         tensors += list(getattr(module, "copies", {}).values())

@@ -6,7 +6,8 @@ step waits on Python, not on memory. A CUDA graph records the launches once and 
 A replay reuses the recorded shapes and memory addresses, so the step is written to keep them fixed:
 
 - the fed token and its position live in two device tensors, filled before each replay;
-- K and V go into the cache at the position tensor (index_copy_), not at a Python slice (kv_cache.BucketedCache);
+- K and V go into the cache at the position tensor (index_copy_), not at a Python slice
+  (kvbook.cache.contiguous.BucketedCache);
 - attention reads a fixed bucket of cache positions (a multiple of 256) and masks those after the position, so one
   graph serves 256 steps and a longer sequence captures one more;
 - the cache is the decoder's own and every sequence reuses it: its address is part of the graphs.
