@@ -6,7 +6,7 @@ separately, against the float engine with the same weights.
 Two models: the book's full-size random one (float16, the article's), and a small float32 Qwen3 checkpoint that
 transformers writes with save_pretrained (4 layers, hidden 256) and kvbook loads (--checkpoint). For each:
 the reference greedy run of `steps` tokens after the 256-token scenario prompt; each variant fed the reference's
-tokens (teacher forcing, kvbook.model.quant.teacher_forced_logits) gives logits at the same positions: the largest
+tokens (teacher forcing, kvbook.model.quant_cost.teacher_forced_logits) gives logits at the same positions: the largest
 absolute logit error, that error over the logits' spread (their standard deviation over the vocabulary), and the
 KL divergence of the next-token distributions (mean and max over positions); then each variant's own greedy run,
 and how many of its tokens equal the reference's (and the first step where one differs). Greedy tokens of random
@@ -22,6 +22,7 @@ from kvbook.config import load_config
 from kvbook.model import quant
 from kvbook.runtime.engine import Engine
 from kvbook.tokenizer import build_prompt_ids
+from kvbook.tools import quant_cost
 from kvbook.tools.trace import Tracer
 
 
@@ -33,10 +34,10 @@ def measure(reference: Engine, variants: dict[str, Engine], prompt: list[int], s
     results = {}
     for name, engine in variants.items():
         started = time.perf_counter()
-        logits = quant.teacher_forced_logits(engine, prompt, tokens[:-1])
-        error = quant.logit_error(reference_logits, logits)
+        logits = quant_cost.teacher_forced_logits(engine, prompt, tokens[:-1])
+        error = quant_cost.logit_error(reference_logits, logits)
         own = engine.generate(prompt, steps, ignore_eos=True).output_ids
-        results[name] = {**error, **quant.greedy_agreement(tokens, own), "seconds": time.perf_counter() - started}
+        results[name] = {**error, **quant_cost.greedy_agreement(tokens, own), "seconds": time.perf_counter() - started}
         print(name, json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in results[name].items()}),
               flush=True)
     return results

@@ -105,7 +105,7 @@ def test_batch_sweep_reports_tokens_per_second_per_batch_size(tmp_path):
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     sweep = json.loads(result.stdout)
-    assert sweep["batch_dtype"] == "float32"  # the batched step's dtype, not prefill's (pinned to bfloat16 here)
+    assert sweep["batched_decode_dtype"] == "float32"  # the batched step's, not prefill's (pinned to bfloat16 here)
     rows = sweep["sweep"]
     assert [r["batch_size"] for r in rows] == [1, 3]
     for r in rows:

@@ -3,7 +3,8 @@
 import warnings
 
 import pytest
-from kvbook.config import Config, ConfigError, ConfigWarning, ModelConfig, kv_cache_bytes, load_config
+from kvbook.cache.memory import kv_cache_bytes
+from kvbook.config import Config, ConfigError, ConfigWarning, ModelConfig, load_config
 
 ROOT_CONFIG = "config.toml"
 

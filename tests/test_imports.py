@@ -100,3 +100,49 @@ def test_no_import_cycle():
     assert len(modules) > 20
     cycle = find_cycle(import_graph(modules))
     assert cycle is None, "import cycle between kvbook modules: " + " -> ".join(cycle)
+
+
+def _functions_calling(path: Path, wanted) -> set[str]:
+    """The names of the functions in a source file that contain a call for which wanted(call) is true."""
+    found = set()
+    for function in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            if any(isinstance(node, ast.Call) and wanted(node) for node in ast.walk(function)):
+                found.add(function.name)
+    return found
+
+
+def _calls_attribute(name: str):
+    return lambda call: isinstance(call.func, ast.Attribute) and call.func.attr == name
+
+
+def _calls_name(name: str):
+    return lambda call: isinstance(call.func, ast.Name) and call.func.id == name
+
+
+def test_one_execution_path_runs_the_model():
+    # the runtime and the server run the model in one place per kind of pass, all in the engine (the model runner):
+    # prefill, a decode step (its inputs from kvbook.runtime.inputs.prepare_decode), a pass without a cache, and
+    # the fixed-shape step that a CUDA graph records; every generation reaches them through the scheduler's step
+    modules = package_modules()
+    calls = {}
+    for name, path in modules.items():
+        if name.startswith(("kvbook.runtime", "kvbook.serving")):
+            for function in _functions_calling(path, _calls_attribute("model")):
+                calls.setdefault(name, set()).add(function)
+    assert calls == {"kvbook.runtime.engine": {"prefill", "decode", "recompute"},
+                     "kvbook.runtime.cuda_graph": {"_forward"}}
+    prepared = {name: _functions_calling(path, _calls_name("prepare_decode")) for name, path in modules.items()}
+    assert {name: f for name, f in prepared.items() if f} == {"kvbook.runtime.engine": {"decode"}}
+    steps = {name: _functions_calling(path, _calls_attribute("step")) for name, path in modules.items()
+             if name.startswith("kvbook.runtime")}
+    assert "stream" in steps["kvbook.runtime.engine"]  # Engine.stream is the scheduler's loop for one sequence
+
+
+def test_the_model_never_asks_what_kind_of_cache_it_got():
+    for name, path in package_modules().items():
+        if name.startswith("kvbook.model"):
+            checks = [ast.unparse(node) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                      if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                      and node.func.id == "isinstance" and "Cache" in ast.unparse(node.args[1])]
+            assert not checks, f"{name} dispatches on the cache's type: {checks}"

@@ -8,14 +8,15 @@ import copy
 import pytest
 import torch
 from kvbook.cache import kv_quant
-from kvbook.cache.memory import blocks_for_budget
+from kvbook.cache.memory import blocks_for_budget, kv_cache_bytes
 from kvbook.cache.paged import BlockPool
-from kvbook.config import Config, ConfigError, KVCacheConfig, ModelConfig, kv_cache_bytes, load_config
+from kvbook.config import Config, ConfigError, KVCacheConfig, ModelConfig, load_config
 from kvbook.model import quant
 from kvbook.model.linear import Linear, weight_bytes_kept
 from kvbook.model.weights import wait_for_saves
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.scheduler import Scheduler
+from kvbook.tools import quant_cost
 
 from .conftest import small_config
 
@@ -76,10 +77,10 @@ def test_prefill_rows_use_the_floating_copy_or_a_dequantized_matrix():
     int8 = quant.Int8Linear.from_linear(linear, torch.bfloat16)
     dequantized = quant.dequantize(int8.qweight, int8.scale, torch.float32)
     assert torch.equal(int8(x), torch.nn.functional.linear(x, dequantized))
-    linear.prefill_weight = linear.weight.to(torch.bfloat16)
+    linear.copies[torch.bfloat16] = linear.weight.to(torch.bfloat16)  # prefill's copy (kvbook.model.weights)
     with_copy = quant.Int8Linear.from_linear(linear, torch.bfloat16)
     assert torch.equal(with_copy(x.to(torch.bfloat16)), torch.nn.functional.linear(x.to(torch.bfloat16),
-                                                                                   linear.prefill_weight))
+                                                                                   linear.copies[torch.bfloat16]))
 
 
 def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cache):
@@ -98,7 +99,7 @@ def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cach
         p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight")))
     assert quant.quantized_weight_bytes(model) == matrices + floating
     # what the model keeps: also each int8 layer's floating prefill copy, if it has one (the bench's RSS ratio)
-    copies = sum(m.prefill_weight.nbytes for m in int8 if m.prefill_weight is not None)
+    copies = sum(copy.nbytes for m in int8 for copy in m.copies.values())
     assert weight_bytes_kept(model) == matrices + floating + copies
 
 
@@ -122,11 +123,11 @@ def test_int8_engine_equals_its_dequantized_reference(weight_cache):
     reference = Engine(cfg, model=dequantized_reference(engine.model), progress=False)
     prompt = list(range(100, 140))
     tokens = reference.generate(prompt, 24, ignore_eos=True).output_ids[:-1]
-    ours = quant.teacher_forced_logits(engine, prompt, tokens)
-    theirs = quant.teacher_forced_logits(reference, prompt, tokens)
+    ours = quant_cost.teacher_forced_logits(engine, prompt, tokens)
+    theirs = quant_cost.teacher_forced_logits(reference, prompt, tokens)
     assert ours.shape == (24, cfg.model.vocab_size)
     spread = float(theirs.std(dim=-1).mean())
-    assert quant.logit_error(theirs, ours)["max_abs_error"] <= 0.02 * spread
+    assert quant_cost.logit_error(theirs, ours)["max_abs_error"] <= 0.02 * spread
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -139,8 +140,8 @@ def test_quantized_cache_logits_stay_close_to_a_float_cache(weight_cache, layout
                        progress=False)
     prompt = list(range(100, 140))
     tokens = floating.generate(prompt, 24, ignore_eos=True).output_ids[:-1]
-    reference = quant.teacher_forced_logits(floating, prompt, tokens)
-    error = quant.logit_error(reference, quant.teacher_forced_logits(quantized, prompt, tokens))
+    reference = quant_cost.teacher_forced_logits(floating, prompt, tokens)
+    error = quant_cost.logit_error(reference, quant_cost.teacher_forced_logits(quantized, prompt, tokens))
     assert 0 < error["relative_error"] <= tolerance
 
 

@@ -115,11 +115,14 @@ def test_several_sequences_share_one_pool(weight_cache):
     alone = [contiguous.generate(p, 12, ignore_eos=True).output_ids for p in prompts]
     streams = [paged.stream(p, 12, ignore_eos=True) for p in prompts]
     together = [[], [], []]
-    for _ in range(12):  # interleave the three sequences step by step
+    for _ in range(11):  # interleave the three sequences step by step
         for i, stream in enumerate(streams):
             together[i].append(next(stream).token_id)
-    held = paged.pool.used_blocks
-    assert held == sum(blocks_needed(len(p) + 11) for p in prompts)
+    held = paged.pool.used_blocks  # after 11 tokens each: the prompt and 10 fed-back tokens
+    assert held == sum(blocks_needed(len(p) + 10) for p in prompts)
+    for i, stream in enumerate(streams):
+        together[i].append(next(stream).token_id)  # the last token: the sequence finishes, its blocks go back
+    assert paged.pool.used_blocks == 0
     for stream in streams:
         stream.close()
     assert together == alone and paged.pool.used_blocks == 0

@@ -58,7 +58,7 @@ def test_float16_on_cpu_batched_rows_are_bitwise_what_they_are_alone(weight_cach
         paths = fixed_paths(torch.bfloat16, torch.float16, TORCH_DTYPES[batched], batch_row_multiple=multiple)
     engine = make_engine(dtype="float16", paths=paths)
     scheduler = Scheduler(engine, max_num_seqs=8)
-    assert scheduler.decode_dtype == engine.batch_dtype
+    assert scheduler.batched  # its decode steps compute in engine.batched_decode_dtype, rows padded
     seqs = [scheduler.add(p, 10, ignore_eos=True) for p in PROMPTS]
     scheduler.run_until_done()
     assert [s.output_ids for s in seqs] == [alone(engine, p, 10, ignore_eos=True) for p in PROMPTS]
@@ -67,7 +67,7 @@ def test_float16_on_cpu_batched_rows_are_bitwise_what_they_are_alone(weight_cach
 def test_one_sequence_at_a_time_decodes_in_the_lone_steps_dtype_like_engine_stream(weight_cache):
     engine = make_engine(dtype="float16")
     scheduler = Scheduler(engine, max_num_seqs=1, record_timeline=True)
-    assert scheduler.decode_dtype == engine.decode_dtype
+    assert not scheduler.batched  # its decode steps compute in engine.decode_dtype, as a lone stream's
     seqs = [scheduler.add(p, 6, ignore_eos=True) for p in PROMPTS[:2]]
     scheduler.run_until_done()
     assert all(len(step.seq_ids) == 1 for step in scheduler.timeline)

@@ -169,7 +169,7 @@ def test_eight_concurrent_requests_are_each_answered_as_if_alone(server):
 
 
 @pytest.mark.parametrize("method, error", [
-    ("_decode", RuntimeError("out of memory (simulated)")),  # inside a forward pass: that pass's requests fail
+    ("_run", RuntimeError("out of memory (simulated)")),  # inside a forward pass: that pass's requests fail
     ("_record", KeyError("bookkeeping bug (simulated)")),  # a bug after it: every request in flight fails
 ])
 def test_a_failure_in_the_scheduler_is_a_500_and_the_server_keeps_serving(server, monkeypatch, method, error):

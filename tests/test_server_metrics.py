@@ -56,14 +56,15 @@ def test_past_max_waiting_a_request_gets_503_at_once_without_touching_the_model(
     with BackgroundServer(limited) as server:
         scheduler = server.scheduler
         release, prefills = threading.Event(), []
-        original = scheduler._prefill
+        original = scheduler._run
 
-        def held_prefill(seq):  # the running request holds the scheduler until the test lets it go
-            prefills.append(seq.seq_id)
-            assert release.wait(60)
-            return original(seq)
+        def held_prefill(batch, phase):  # the running request holds the scheduler until the test lets it go
+            if phase == "prefill":
+                prefills.append(batch[0].seq_id)
+                assert release.wait(60)
+            return original(batch, phase)
 
-        scheduler._prefill = held_prefill
+        scheduler._run = held_prefill
         body = {"model": MODEL, "messages": HELLO, "max_tokens": 3, "ignore_eos": True}
         answers = []
         clients = [threading.Thread(target=lambda: answers.append(post(server, body))) for _ in range(2)]
@@ -140,14 +141,15 @@ def test_kv_cache_usage_while_a_request_runs(engine):
     paged = Engine(engine.config.replace(kv_cache={"layout": "paged"}), model=engine.model, progress=False)
     with BackgroundServer(paged) as server:
         scheduler, release, seen = server.scheduler, threading.Event(), threading.Event()
-        original = scheduler._decode
+        original = scheduler._run
 
-        def held_decode(batch):
-            seen.set()
-            assert release.wait(60)
-            return original(batch)
+        def held_decode(batch, phase):
+            if phase == "decode":
+                seen.set()
+                assert release.wait(60)
+            return original(batch, phase)
 
-        scheduler._decode = held_decode
+        scheduler._run = held_decode
         client = threading.Thread(target=post, args=(server, {"model": MODEL, "messages": HELLO, "max_tokens": 2,
                                                               "ignore_eos": True}))
         client.start()

@@ -112,7 +112,7 @@ def test_soak_with_clients_that_hang_up(tmp_path, monkeypatch, layout):
     alone = {p: engine.generate(ids, MAX_TOKENS, ignore_eos=True).output_ids for p, ids in prompt_ids.items()}
 
     caches, new_cache = [], engine.new_cache
-    monkeypatch.setattr(engine, "new_cache", lambda: caches.append(weakref.ref(c := new_cache())) or c)
+    monkeypatch.setattr(engine, "new_cache", lambda **kw: caches.append(weakref.ref(c := new_cache(**kw))) or c)
     threads_before = set(threading.enumerate())
     rng = random.Random(16)
     with BackgroundServer(engine) as server:

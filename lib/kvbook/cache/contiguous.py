@@ -130,7 +130,7 @@ class KVCache(LayeredCache):
 
     def filled_bytes(self) -> int:
         """Bytes of K and V actually holding positions: 2 x layers x kv_heads x head_dim x length x size (and the
-        scales of a quantized cache: config.kv_cache_bytes)."""
+        scales of a quantized cache: kvbook.cache.memory.kv_cache_bytes)."""
         return sum(layer.stored_bytes(layer.length) for layer in self.layers)
 
     def reserved_bytes(self) -> int:

@@ -54,23 +54,9 @@ class Linear(nn.Linear):
         # lm_head: a lone row (prefill's last position, a decode step) computes in this dtype, whatever the
         # dtype of the layers' activations (kvbook.runtime.paths' decode choice)
         self.row_dtype: torch.dtype | None = None
-        self.prefill_dtype: torch.dtype | None = None  # the dtype of the copy prefill reads (prefill_weight)
 
     def reset_parameters(self) -> None:
         """No random init: weights always come from kvbook.model.weights (drawn from the config's seed or loaded)."""
-
-    @property
-    def prefill_weight(self) -> torch.Tensor | None:
-        """The copy prefill computes with (None: prefill reads the weight itself)."""
-        return self.copies.get(self.prefill_dtype) if self.prefill_dtype is not None else None
-
-    @prefill_weight.setter
-    def prefill_weight(self, tensor: torch.Tensor | None) -> None:
-        if tensor is None:
-            self.prefill_dtype = None
-            return
-        self.copies[tensor.dtype] = tensor
-        self.prefill_dtype = tensor.dtype
 
     def weight_in(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The weight's values in dtype, if this layer holds them."""
@@ -127,14 +113,12 @@ def add_copies(model: nn.Module, dtype: torch.dtype) -> None:
 
 def weight_bytes_kept(model: nn.Module) -> int:
     """Bytes of every tensor the model keeps for its weights: the parameters (the article's values), the buffers
-    (an int8 layer's matrix and scales, kvbook.model.quant), and the arithmetic copies and column blocks (an int8
-    layer's floating prefill copy), each storage counted once (a tied lm_head is the embedding)."""
+    (an int8 layer's matrix and scales, kvbook.model.quant), and the arithmetic copies (an int8 layer's floating
+    prefill copy too) and column blocks, each storage counted once (a tied lm_head is the embedding)."""
     tensors = list(model.parameters()) + list(model.buffers())
     for module in model.modules():
         tensors += list(getattr(module, "copies", {}).values())
         tensors += [b for blocks in getattr(module, "blocks", {}).values() for b in blocks]
-        if isinstance(getattr(module, "prefill_weight", None), torch.Tensor):
-            tensors.append(module.prefill_weight)
     seen, total = set(), 0
     for tensor in tensors:
         key = (tensor.untyped_storage().data_ptr(), tensor.device)

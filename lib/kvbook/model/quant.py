@@ -15,8 +15,8 @@ kernel is fast only with bfloat16 activations (float16 and float32 ones take 10-
 BENCHMARKS.md), so on the CPU the rows are converted to bfloat16 for it and the result back to the caller's dtype.
 
 Prefill (more than DECODE_ROWS rows) is a matrix product, where this kernel is not the fast path on every CPU: it
-uses the layer's floating prefill copy when the engine made one (kvbook.model.weights, [inference] prefill_dtype), else
-dequantizes the matrix for the call. lm_head is quantized too (a third of the weights; it runs on one position in
+uses the layer's floating prefill copy (`copies`) when the engine made one (kvbook.model.weights), else dequantizes
+the matrix for the call. lm_head is quantized too (a third of the weights; it runs on one position in
 prefill as well); the embedding stays in [inference] dtype: a lookup reads one row per token.
 The quantized KV cache's numbers are in kvbook.cache.kv_quant.
 """
@@ -80,17 +80,23 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 class Int8Linear(nn.Module):
     """A bias-free linear layer with int8 weights and one scale per output channel (weight-only)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, prefill_weight: torch.Tensor | None = None):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, copies: dict[torch.dtype, torch.Tensor] | None = None):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.register_buffer("qweight", q)  # int8 [out, in]
         self.register_buffer("scale", scale)  # [out], in the kernel's activation dtype
-        self.prefill_weight = prefill_weight  # a floating copy for prefill (kvbook.model.linear), or None
+        # the floating weight's values in the dtypes a product of many rows computes in (prefill's copy,
+        # kvbook.model.weights), as kvbook.model.linear.Linear keeps them; empty: dequantize for the call
+        self.copies: dict[torch.dtype, torch.Tensor] = dict(copies or {})
 
     @classmethod
     def from_linear(cls, linear: Linear, act_dtype: torch.dtype, name: str = "weight") -> Int8Linear:
         q, scale = quantize_per_channel(linear.weight, act_dtype, name)
-        return cls(q, scale, linear.prefill_weight)
+        return cls(q, scale, linear.copies)
+
+    def weight_in(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The floating weight's values in dtype, if this layer keeps a copy in it."""
+        return self.copies.get(dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -100,8 +106,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > DECODE_ROWS:  # prefill: a matrix product, on the floating copy or a dequantized one
-            if self.prefill_weight is not None:
-                return F.linear(x.to(self.prefill_weight.dtype), self.prefill_weight)
+            copy = self.copies.get(x.dtype, next(iter(self.copies.values()), None))
+            if copy is not None:
+                return F.linear(x.to(copy.dtype), copy)
             return F.linear(x, dequantize(self.qweight, self.scale, x.dtype))
         flat = x.reshape(rows, self.in_features).to(self.scale.dtype)  # [B, in]
         out = int8_matmul(flat, self.qweight, self.scale)  # [B, out]
@@ -139,7 +146,7 @@ def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, d
                 computed |= {f"{name}.qweight": q, f"{name}.scale": scale}
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Int8Linear(q, scale, module.prefill_weight))
+            setattr(parent, child, Int8Linear(q, scale, module.copies))
     if path is not None and cached is None and computed:
         _save_in_background({name: t.cpu() for name, t in computed.items()}, path, progress=False)
     return quantized_weight_bytes(model)
@@ -186,41 +193,3 @@ def check_int8_kernel(device: torch.device, act_dtype: torch.dtype) -> None:
         raise QuantizationError(f"[inference] weight_dtype = \"int8\": the int8 kernel does not run on {device} "
                                 f"with {act_dtype} activations ({str(err).splitlines()[0]}); use weight_dtype = "
                                 "\"auto\"") from None
-
-
-# ---- what quantization costs: the same tokens fed to two engines, their next-token distributions compared ----
-
-@torch.inference_mode()
-def teacher_forced_logits(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Prefill `prompt`, then decode feeding `tokens` (another engine's greedy choices) one at a time ->
-    float32 logits [len(tokens) + 1, vocab]: row 0 from prefill, row i after feeding tokens[i - 1]. Both engines
-    then see the same history, so their logits compare position by position even where a near-tie flipped."""
-    cache = engine.new_cache()
-    logits, _ = engine.prefill(cache, prompt)
-    rows = [logits[0, -1].float()]
-    for index, token in enumerate(tokens):
-        position = torch.tensor([len(prompt) + index], device=engine.device)
-        step = engine.model(torch.tensor([[token]], device=engine.device), position, cache,
-                            compute_dtype=engine.decode_dtype)  # [1, 1, vocab]
-        rows.append(step[0, -1].float())
-    cache.free()  # a paged cache's blocks go back to the pool
-    return torch.stack(rows).cpu()
-
-
-def logit_error(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
-    """reference, other [steps, vocab] float32 -> the largest absolute difference, that relative to the
-    reference logits' spread (their standard deviation over the vocabulary, averaged over steps), and the KL
-    divergence KL(reference || other) of the next-token distributions (mean and max over steps, in nats)."""
-    difference = float((reference - other).abs().max())
-    spread = float(reference.std(dim=-1).mean())
-    kl = torch.sum(torch.softmax(reference, -1) * (torch.log_softmax(reference, -1) - torch.log_softmax(other, -1)),
-                   dim=-1)  # [steps]
-    return {"max_abs_error": difference, "logit_spread": spread, "relative_error": difference / spread,
-            "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
-
-
-def greedy_agreement(reference: list[int], other: list[int]) -> dict[str, float]:
-    """Two greedy runs from the same prompt: the share of equal tokens and the first step that differs."""
-    same = [a == b for a, b in zip(reference, other, strict=True)]
-    first = same.index(False) if not all(same) else len(same)
-    return {"agreement": sum(same) / len(same), "first_difference": first}

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import Attention
-from .forward_batch import ForwardBatch, causal_mask  # noqa: F401 - causal_mask: chapter 3 imports it from here
+from .forward_batch import ForwardBatch
 from .linear import Linear
 from .mlp import MLP
 from .norm import RMSNorm

@@ -107,14 +107,13 @@ def _owner(model: Qwen3ForCausalLM, weight_name: str):
 
 def has_prefill_weights(model: Qwen3ForCausalLM, dtype: torch.dtype) -> bool:
     """Whether every layer matrix already carries a prefill copy in dtype."""
-    copies = [_owner(model, name).prefill_weight for name in prefill_weight_names(model.cfg)]
-    return all(copy is not None and copy.dtype == dtype for copy in copies)
+    return all(_owner(model, name).weight_in(dtype) is not None for name in prefill_weight_names(model.cfg))
 
 
 def attach_prefill_weights(model: Qwen3ForCausalLM, prefill: dict[str, torch.Tensor]) -> None:
     device = model.lm_head.weight.device
     for name, tensor in prefill.items():
-        _owner(model, name).prefill_weight = tensor.to(device)
+        _owner(model, name).copies[tensor.dtype] = tensor.to(device)
 
 
 _pending_saves: list[threading.Thread] = []

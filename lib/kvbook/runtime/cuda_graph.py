@@ -25,7 +25,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..cache.contiguous import BucketedCache, KVCache
-from .inputs import prepare_decode
 
 
 def wanted(config, device: torch.device) -> bool:
@@ -128,12 +127,12 @@ def compare_with_ordinary(engine, prompt: list[int], steps: int) -> dict:
     plain = engine.new_cache()
     decoder.acquire()
     engine.prefill(decoder.cache, prompt)
-    logits, _ = engine.prefill(plain, prompt)
+    logits, _ = engine.prefill(plain, prompt)  # [1, 1, vocab]
     token = int(logits[0, -1].argmax())
     same, max_diff = True, 0.0
     for _ in range(steps):
         fixed = decoder.step(token).float()  # [1, 1, vocab]
-        ordinary = engine.model(*prepare_decode([token], [plain], engine.device)).float()
+        ordinary = engine.decode([token], [plain]).float()  # [1, 1, vocab]
         max_diff = max(max_diff, float((fixed - ordinary).abs().max()))
         same = same and int(fixed.argmax()) == int(ordinary.argmax())
         token = int(ordinary[0, -1].argmax())

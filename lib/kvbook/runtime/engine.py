@@ -20,7 +20,7 @@ from ..cache.paged import BlockPool, PagedKVCache
 from ..config import Config
 from ..device import TORCH_DTYPES, enable_huge_pages, resolve_device, synchronize
 from ..model import quant
-from ..model.linear import add_copies, split_long_inputs, weight_bytes_kept
+from ..model.linear import add_copies, batch_invariant_rows, split_long_inputs, weight_bytes_kept
 from ..model.qwen3 import Qwen3ForCausalLM
 from ..model.weights import (
     attach_prefill_weights,
@@ -34,8 +34,8 @@ from ..model.weights import (
 from . import cuda_graph
 from .inputs import prepare_decode
 from .paths import ComputePaths, choose_paths
-from .sampling import sample_next
-from .sequence import Generation, finish_reason, make_step, positions_needed
+from .scheduler import Scheduler
+from .sequence import Generation, finish_reason, positions_needed
 
 
 class Engine:
@@ -51,7 +51,7 @@ class Engine:
         self.paths = paths or choose_paths(config, self.device)
         self.prefill_dtype = self.paths.prefill.dtype
         self.decode_dtype = self.paths.decode.dtype  # a lone sequence's decode step
-        self.batch_dtype = self.paths.batched_decode.dtype  # a decode step of the scheduler (kvbook.runtime.scheduler)
+        self.batched_decode_dtype = self.paths.batched_decode.dtype  # a scheduler's step that may batch sequences
         self.prefix_caching = config.kv_cache.prefix_caching
         separate_prefill = self.prefill_dtype != self.dtype
         drawn = model is None  # random weights, from the weight cache (kvbook.model.weights)
@@ -91,9 +91,12 @@ class Engine:
         weights = load_checkpoint(directory, model_cfg, TORCH_DTYPES[config.inference.dtype])
         return cls(config, build_model(model_cfg, weights, resolve_device(config.inference.device)))
 
-    def new_cache(self) -> KVCache | PagedKVCache | None:
-        """A cache for one sequence: contiguous, a sequence in the engine's block pool (free it when done), or
-        None when the cache is disabled."""
+    def new_cache(self, graphed: bool = False) -> KVCache | PagedKVCache | None:
+        """A cache for one sequence: contiguous, a sequence in the engine's block pool, or None when the cache is
+        disabled. graphed: the CUDA-graph decoder's own cache, when this engine has one and no other sequence
+        holds it. Give it back with release_cache."""
+        if graphed and self.decoder is not None and self.decoder.acquire() is not None:
+            return self.decoder.cache
         kv = self.config.kv_cache
         if not kv.enable:
             return None
@@ -101,6 +104,15 @@ class Engine:
             return PagedKVCache(self.pool, self.config.model.num_hidden_layers,
                                 self.config.model.max_position_embeddings)
         return KVCache(self.config.model, kv, self.device)
+
+    def release_cache(self, cache) -> None:
+        """A sequence is done with its cache: a paged cache's blocks go back to the pool, the decoder's cache to the
+        decoder."""
+        if cache is None:
+            return
+        cache.free()
+        if self.decoder is not None and cache is self.decoder.cache:
+            self.decoder.release()
 
     def prefill(self, cache, prompt: list[int], chunk: int = 0) -> tuple[torch.Tensor, int]:
         """Fill the cache with the prompt from where it stands -> (logits of the last position computed
@@ -118,10 +130,33 @@ class Engine:
             cache.register_full_blocks(prompt[:end])
         return logits, reused
 
+    def decode(self, tokens: list[int], caches: list, batched: bool = False) -> torch.Tensor:
+        """One decode step: tokens[b] goes in at the next position of caches[b] -> logits [B, 1, vocab]. It computes
+        in decode_dtype, or with batched (a scheduler that may batch) in batched_decode_dtype with rows padded as
+        kvbook.runtime.paths measured, so that a row's numbers do not depend on its neighbours. The decoder's
+        cache replays its CUDA graph."""
+        if not batched and self.decoder is not None and caches[0] is self.decoder.cache:
+            return self.decoder.step(tokens[0])  # the same step, replayed from a CUDA graph
+        ids, positions, batch = prepare_decode(tokens, caches, self.device)  # [B, 1], [B]
+        invariant = batch_invariant_rows(self.paths.batch_row_multiple) if batched else contextlib.nullcontext()
+        with torch.inference_mode(), invariant:
+            return self.model(ids, positions, batch, compute_dtype=self.decode_dtype_for(batched))  # [B, 1, vocab]
+
+    def decode_dtype_for(self, batched: bool) -> torch.dtype:
+        """The dtype a decode step computes in: a lone sequence's, or that of a scheduler that may batch."""
+        return self.batched_decode_dtype if batched else self.decode_dtype
+
+    def recompute(self, tokens: list[int]) -> torch.Tensor:
+        """Without a cache: every position so far, computed again -> logits of the last one [1, 1, vocab]."""
+        ids = torch.tensor([tokens], device=self.device)  # [1, T]
+        with torch.inference_mode():
+            return self.model(ids, torch.arange(len(tokens), device=self.device), None,
+                              compute_dtype=self.prefill_dtype)  # [1, 1, vocab]
+
     def prepare_batched_decode(self) -> None:
-        """Give every matrix a batch_dtype copy, made when a scheduler that batches first needs it (an int8
+        """Give every matrix a batched_decode_dtype copy, made when a scheduler that batches first needs it (an int8
         model reads its int8 weights for a few rows, kvbook.model.quant)."""
-        add_copies(self.model, self.batch_dtype)
+        add_copies(self.model, self.batched_decode_dtype)
 
     def describe_paths(self) -> dict:
         """Which arithmetic each phase runs and why, and the bytes kept for the weights (JSON-ready)."""
@@ -160,64 +195,33 @@ class Engine:
                 f"max_cache_len is {kv.max_cache_len}; raise [kv_cache] max_cache_len to at least {needed} "
                 f"(--set kv_cache.max_cache_len={needed}) or generate fewer tokens")
 
-    @torch.inference_mode()
     def stream(self, input_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None):
         """Yield a Step per generated token. Stop on EOS (unless ignore_eos) or after max_new_tokens.
 
+        The sequence runs through the same loop as a batch (kvbook.runtime.scheduler), with room for one sequence:
+        its decode steps compute in decode_dtype and, on a GPU, replay the CUDA-graph decoder.
         Closing the generator early (a client that went away) ends the run and frees its cache.
         tracer: a kvbook.tools.trace.Tracer to record shapes, cache lengths and timings of every step.
         """
-        if max_new_tokens is None:
-            max_new_tokens = self.config.inference.output_len
-        self.check_request(len(input_ids), max_new_tokens)
-        generator = self.sampling_generator(temperature, top_p, seed)
-        # the graphed decoder's cache, unless another open stream holds it or a tracer wants every module's shapes
-        graphed = self.decoder is not None and tracer is None and self.decoder.acquire() is not None
-        cache = self.decoder.cache if graphed else self.new_cache()
+        scheduler = Scheduler(self, max_num_seqs=1)
+        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer=tracer)
+        emitted = 0
         try:
-            yield from self._steps(cache, input_ids, max_new_tokens, temperature, top_p, generator, ignore_eos,
-                                   tracer)
+            while not seq.finished:
+                scheduler.step()
+                if seq.error is not None:
+                    raise seq.error
+                if seq in scheduler.waiting:  # only another sequence on this engine's block pool keeps it out
+                    raise CacheFullError(
+                        f"the block pool has {len(self.pool.free_blocks)} free blocks but this request may need "
+                        f"{-(-seq.positions_needed // self.pool.block_size)}: other open streams hold the rest; "
+                        "close them or raise [kv_cache] pool_mib")
+                yield from seq.steps[emitted:]
+                emitted = len(seq.steps)
         finally:
-            if graphed:
-                self.decoder.release()
-            if cache is not None:
-                cache.free()  # a paged cache's blocks go back to the pool, also when the caller stops early
-
-    def _steps(self, cache, input_ids, max_new_tokens, temperature, top_p, generator, ignore_eos, tracer):
-        tokens = list(input_ids)  # the prompt, then every generated token
-        prompt_len = len(tokens)
-        for index in range(max_new_tokens):
-            phase = "prefill" if index == 0 else "decode"
-            with tracer.step(phase, index) if tracer else contextlib.nullcontext():
-                started = time.perf_counter()
-                if index == 0 and cache is not None:  # prefill: every prompt position not in the prefix cache
-                    logits, reused = self.prefill(cache, tokens)  # [1, 1, 151936]
-                    computed = prompt_len - reused
-                elif cache is None:  # no cache: compute every position so far, again (256 + index positions)
-                    logits = self.model(torch.tensor([tokens], device=self.device),
-                                        torch.arange(0, len(tokens), device=self.device), None,
-                                        compute_dtype=self.prefill_dtype)  # [1, 1, 151936]
-                    computed = len(tokens)
-                else:  # decode: only the token generated last, at the next position
-                    if self.decoder is not None and cache is self.decoder.cache:
-                        logits = self.decoder.step(tokens[-1])  # the same step, replayed from a CUDA graph
-                    else:
-                        ids, positions, batch = prepare_decode(tokens[-1:], [cache], self.device)  # [1, 1], [1]
-                        logits = self.model(ids, positions, batch, compute_dtype=self.decode_dtype)  # [1, 1, 151936]
-                    computed = 1
-                token = sample_next(logits[0, -1], temperature, top_p, generator)
-                synchronize(self.device)
-                ms = (time.perf_counter() - started) * 1e3
-            step = make_step(index, phase, token, ms, cache, computed)
-            if self.prefix_caching and index > 0:
-                cache.register_full_blocks(tokens)  # a block filled by decode can be shared too
-            if tracer:
-                tracer.add_step(step, prompt_len)
-            yield step
-            if finish_reason(token, index + 1, max_new_tokens, ignore_eos) is not None:
-                return
-            tokens.append(token)
+            scheduler.abort(seq)
+            scheduler.drop_aborted()  # its cache goes back at once, also when the caller stopped early
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | None = None,
                        ignore_eos: bool = False) -> list[Generation]:
@@ -226,9 +230,8 @@ class Engine:
         token of every unfinished sequence together, input [B, 1]: each weight is read once for B tokens. A
         sequence leaves the batch when it stops (EOS or max_new_tokens). Each Step's ms is the whole pass.
 
-        A decode step of several sequences computes in batch_dtype, measured for this machine (kvbook.runtime.paths)."""
-        from .scheduler import Scheduler
-
+        A decode step of several sequences computes in batched_decode_dtype, measured for this machine
+        (kvbook.runtime.paths)."""
         scheduler = Scheduler(self, max_num_seqs=len(prompts))
         sequences = [scheduler.add(prompt, max_new_tokens, ignore_eos=ignore_eos) for prompt in prompts]
         scheduler.run_until_done()

@@ -99,6 +99,7 @@ class Sequence:
     aborted: bool = False  # set from any thread; the scheduler frees the sequence at its next step
     cache: object = field(default=None, repr=False)
     generator: torch.Generator | None = field(default=None, repr=False)
+    tracer: object = field(default=None, repr=False)  # a kvbook.tools.trace.Tracer recording its passes, or None
 
     @property
     def output_ids(self) -> list[int]:
@@ -114,6 +115,13 @@ class Sequence:
     @property
     def positions_needed(self) -> int:
         return positions_needed(len(self.prompt), self.max_new_tokens)
+
+    def positions_computed(self, phase: str) -> int:
+        """Positions the pass that gave its next token computes: the prompt but its reused prefix in prefill, one
+        per decode step, and every position so far with the cache disabled."""
+        if self.cache is None:
+            return len(self.prompt) + len(self.steps)
+        return len(self.prompt) - self.cached_positions if phase == "prefill" else 1
 
     def stops_on(self, token: int) -> bool:
         return stops_on(token, self.ignore_eos)

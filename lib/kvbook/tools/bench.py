@@ -128,12 +128,11 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
         ttft.append(first)
         tpot.append(step)
     cache = engine.new_cache()
-    with torch.inference_mode():  # one prefill more, to weigh the cache it fills
-        engine.model(torch.tensor([prompt], device=engine.device), torch.arange(len(prompt), device=engine.device),
-                     cache, compute_dtype=engine.prefill_dtype)
+    engine.prefill(cache, prompt)  # one prefill more, to weigh the cache it fills
     return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
             "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": str(engine.prefill_dtype),
-            "decode_dtype": dtype_name(engine.decode_dtype), "batch_dtype": dtype_name(engine.batch_dtype),
+            "decode_dtype": dtype_name(engine.decode_dtype),
+            "batched_decode_dtype": dtype_name(engine.batched_decode_dtype),
             "paths": engine.describe_paths(), "paths_text": engine.paths.describe(),
             "cuda_graphs": engine.decoder is not None,
             "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length, "batch_size": batch}
@@ -299,7 +298,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
                                                  config.kv_cache.cache_dtype),
         "kv_cache_positions": engine["kv_cache_positions"],
         "device": engine["device"], "dtype": config.inference.dtype, "prefill_dtype": engine["prefill_dtype"],
-        "decode_dtype": engine["decode_dtype"], "batch_dtype": engine["batch_dtype"],
+        "decode_dtype": engine["decode_dtype"], "batched_decode_dtype": engine["batched_decode_dtype"],
         "cuda_graphs": engine["cuda_graphs"],
         "input_len": config.inference.input_len, "decode_steps": steps, "repeats": repeats, "rounds": rounds,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
@@ -343,12 +342,12 @@ def run_batch_sweep(config: Config, config_path: str, overrides: list[str], size
         rows.append({"batch_size": size, "tpot_ms": tpot, "tokens_per_s": size * 1e3 / tpot,
                      "kv_cache_mib": kv / 2**20, "peak_rss_mb": r["peak_rss_mb"]})
     return {"sweep": rows, "device": r["device"], "input_len": config.inference.input_len, "decode_steps": steps,
-            "dtype": config.inference.dtype, "batch_dtype": r["batch_dtype"]}
+            "dtype": config.inference.dtype, "batched_decode_dtype": r["batched_decode_dtype"]}
 
 
 def format_batch_sweep(r: dict) -> str:
     lines = [f"batch sweep on {r['device']}: prompts of {r['input_len']} tokens, {r['decode_steps']} decode steps; "
-             f"a step of 2+ sequences computes in {r['batch_dtype']}",
+             f"a step of 2+ sequences computes in {r['batched_decode_dtype']}",
              f"{'batch':>6s}{'TPOT ms':>10s}{'tokens/s':>10s}{'KV MiB':>9s}{'peak RSS MiB':>14s}"]
     for row in r["sweep"]:
         lines.append(f"{row['batch_size']:6d}{row['tpot_ms']:10.1f}{row['tokens_per_s']:10.1f}"
@@ -390,7 +389,7 @@ def run_concurrency(config: Config, concurrency: int, max_tokens: int = 64, prog
         batches = [len(step.seq_ids) for step in server.scheduler.timeline if step.phase == "decode"]
     return {"device": str(engine.device), "concurrency": concurrency, "max_tokens": max_tokens,
             "max_num_seqs": config.server.max_num_seqs,
-            "decode_dtype": str(server.scheduler.decode_dtype).removeprefix("torch."),
+            "decode_dtype": dtype_name(engine.decode_dtype_for(server.scheduler.batched)),
             "alone_s": alone_s, "concurrent_s": concurrent_s, "ratio": concurrent_s / alone_s,
             "alone": {"ttft_ms": alone.ttft_s * 1e3, "tpot_ms": (alone.tpot_s or 0) * 1e3},
             "requests": [{"ttft_ms": r.ttft_s * 1e3, "tpot_ms": (r.tpot_s or 0) * 1e3, "s": s} for r, s in together],

@@ -18,8 +18,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from ..cache.memory import kv_cache_bytes
-from ..config import DTYPE_BYTES, Config, ModelConfig, load_config
+from ..cache.memory import DTYPE_BYTES, kv_cache_bytes
+from ..config import Config, ModelConfig, load_config
 from ..device import enable_huge_pages
 
 matplotlib.rcParams.update({"figure.dpi": 72, "figure.figsize": (6.4, 3.2), "axes.grid": True, "grid.alpha": 0.3})
