@@ -1,7 +1,7 @@
 """config.toml -> typed, frozen config objects, with one-line errors that name the key and the fix.
 
-Explained in chapter 1 ("The pipeline"), which walks through every key; chapter 7 ("Pitfalls") triggers
-the checks below on purpose.
+Explained in chapter 1 ("The pipeline"), which introduces the model and request keys and names the chapter
+that explains each of the others; chapter 7 ("Pitfalls") triggers the checks below on purpose.
 """
 
 from __future__ import annotations
