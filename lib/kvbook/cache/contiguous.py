@@ -5,6 +5,9 @@ the filled part, so decode never copies the history. Explained in chapters 4 ("P
 
 A quantized cache ([kv_cache] cache_dtype = "int8" or "float8_e4m3fn", kvbook.cache.kv_quant) stores each position's
 K and V per head in one byte per number with one float16 scale, and attention reads them dequantized to float32.
+
+Shapes: B sequences (1 but in batched experiments), H = num_key_value_heads (32 in the article's model), S =
+max_cache_len positions (4096), D = head_dim (128).
 """
 
 from __future__ import annotations
@@ -39,13 +42,13 @@ class LayerKVCache:
             scales = (batch, max_len, kv_heads, 1)
             self.k_scale = torch.zeros(scales, dtype=kv_quant.KV_SCALE_DTYPE, device=device).transpose(1, 2)
             self.v_scale = torch.zeros(scales, dtype=kv_quant.KV_SCALE_DTYPE, device=device).transpose(1, 2)
-        # Stored position-major, [1, 4096, 32, 128], and seen through a transpose as [1, 32, 4096, 128]: a new
+        # Stored position-major, [B, S, H, D], and seen through a transpose as [B, H, S, D]: a new
         # sequence's positions then fill consecutive memory. Head-major storage puts each head's first positions
         # 1 MiB apart, and with transparent huge pages the first write to a fresh cache faulted in 192 pages of
         # 2 MiB, which cost TTFT (BENCHMARKS.md, "Numbers from code comments"). Empty, not zeros: only the filled
         # part [:length] is read.
         storage = (batch, max_len, kv_heads, head_dim)
-        self.k = torch.empty(storage, dtype=dtype, device=device).transpose(1, 2)  # [1, 32, 4096, 128]
+        self.k = torch.empty(storage, dtype=dtype, device=device).transpose(1, 2)  # [B, H, S, D]
         self.v = torch.empty(storage, dtype=dtype, device=device).transpose(1, 2)
         self.length = 0
 

@@ -39,7 +39,7 @@ class BlockPool:
         self.block_size = kv.block_size
         self.num_blocks = blocks_for_budget(model, kv)
         slots = self.num_blocks * self.block_size
-        shape = (slots, model.num_key_value_heads, model.head_dim)  # [4096, 32, 128] for the default budget
+        shape = (slots, model.num_key_value_heads, model.head_dim)  # [slots, H, D]
         dtype = storage_dtype(kv.cache_dtype)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_hidden_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_hidden_layers)]
