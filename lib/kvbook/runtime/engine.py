@@ -122,7 +122,7 @@ class Engine:
         reused = cache.reuse_prefix(prompt) if self.prefix_caching and cache.length == 0 else 0
         start = cache.length
         end = min(len(prompt), start + chunk) if chunk > 0 else len(prompt)
-        ids = torch.tensor([prompt[start:end]], device=self.device)  # [1, T]: the prompt's positions not reused, in one pass
+        ids = torch.tensor([prompt[start:end]], device=self.device)  # [1, T]: positions not reused, one pass
         positions = torch.arange(start, end, device=self.device)  # [T]
         with torch.inference_mode():
             logits = self.model(ids, positions, cache, compute_dtype=self.prefill_dtype)  # [1, 1, vocab]
