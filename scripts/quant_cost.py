@@ -6,7 +6,7 @@ separately, against the float engine with the same weights.
 Two models: the book's full-size random one (float16, the article's), and a small float32 Qwen3 checkpoint that
 transformers writes with save_pretrained (4 layers, hidden 256) and kvbook loads (--checkpoint). For each:
 the reference greedy run of `steps` tokens after the 256-token scenario prompt; each variant fed the reference's
-tokens (teacher forcing, kvbook.model.quant_cost.teacher_forced_logits) gives logits at the same positions: the largest
+tokens (teacher forcing, kvbook.tools.quant_cost.teacher_forced_logits) gives logits at the same positions: the largest
 absolute logit error, that error over the logits' spread (their standard deviation over the vocabulary), and the
 KL divergence of the next-token distributions (mean and max over positions); then each variant's own greedy run,
 and how many of its tokens equal the reference's (and the first step where one differs). Greedy tokens of random

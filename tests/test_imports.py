@@ -136,7 +136,10 @@ def test_one_execution_path_runs_the_model():
     assert {name: f for name, f in prepared.items() if f} == {"kvbook.runtime.engine": {"decode"}}
     steps = {name: _functions_calling(path, _calls_attribute("step")) for name, path in modules.items()
              if name.startswith("kvbook.runtime")}
-    assert "stream" in steps["kvbook.runtime.engine"]  # Engine.stream is the scheduler's loop for one sequence
+    # Engine.stream and Engine.generate are the scheduler's loop for one sequence
+    assert "_run_alone" in steps["kvbook.runtime.engine"]
+    engine_path = modules["kvbook.runtime.engine"]
+    assert _functions_calling(engine_path, _calls_attribute("_run_alone")) == {"stream", "generate"}
 
 
 def test_the_model_never_asks_what_kind_of_cache_it_got():

@@ -104,6 +104,10 @@ class BlockPool:
     def used_blocks(self) -> int:
         return self.num_blocks - len(self.free_blocks)
 
+    def blocks_for(self, positions: int) -> int:
+        """Blocks that hold `positions` positions."""
+        return -(-positions // self.block_size)
+
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, K and V (and their scales): kvbook.cache.memory.kv_cache_bytes."""
         return self._block_bytes
@@ -206,7 +210,7 @@ class PagedKVCache(LayeredCache):
         if positions > self.max_len:
             raise CacheFullError(f"a sequence of {positions} positions exceeds max_position_embeddings "
                                  f"{self.max_len}; generate fewer tokens")
-        needed = -(-positions // self.pool.block_size)
+        needed = self.pool.blocks_for(positions)
         new = []
         try:
             while len(self.block_table) + len(new) < needed:

@@ -35,7 +35,7 @@ from . import cuda_graph
 from .inputs import prepare_decode
 from .paths import ComputePaths, choose_paths
 from .scheduler import Scheduler
-from .sequence import Generation, finish_reason, positions_needed
+from .sequence import Generation, positions_needed
 
 
 class Engine:
@@ -206,6 +206,10 @@ class Engine:
         """
         scheduler = Scheduler(self, max_num_seqs=1)
         seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer=tracer)
+        yield from self._run_alone(scheduler, seq)
+
+    def _run_alone(self, scheduler: Scheduler, seq):
+        """Step a scheduler holding one sequence until it finishes, yielding each Step as it comes."""
         emitted = 0
         try:
             while not seq.finished:
@@ -215,7 +219,7 @@ class Engine:
                 if seq in scheduler.waiting:  # only another sequence on this engine's block pool keeps it out
                     raise CacheFullError(
                         f"the block pool has {len(self.pool.free_blocks)} free blocks but this request may need "
-                        f"{-(-seq.positions_needed // self.pool.block_size)}: other open streams hold the rest; "
+                        f"{self.pool.blocks_for(seq.positions_needed)}: other open streams hold the rest; "
                         "close them or raise [kv_cache] pool_mib")
                 yield from seq.steps[emitted:]
                 emitted = len(seq.steps)
@@ -240,10 +244,11 @@ class Engine:
                 raise seq.error
         return [seq.generation() for seq in sequences]
 
-    def generate(self, input_ids: list[int], max_new_tokens: int | None = None, **options) -> Generation:
-        """Run stream() to the end. options: temperature, top_p, seed, ignore_eos, tracer."""
-        steps = list(self.stream(input_ids, max_new_tokens, **options))
-        output_ids = [step.token_id for step in steps]
-        # the stream ended on the stop rule or at its length
-        reason = finish_reason(output_ids[-1], len(output_ids), len(output_ids), options.get("ignore_eos", False))
-        return Generation(list(input_ids), output_ids, reason, steps)
+    def generate(self, input_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None) -> Generation:
+        """Run stream()'s loop to the end -> the Generation, with the sequence's own finish reason."""
+        scheduler = Scheduler(self, max_num_seqs=1)
+        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer=tracer)
+        for _ in self._run_alone(scheduler, seq):
+            pass
+        return seq.generation()

@@ -180,7 +180,7 @@ class Scheduler:
         return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator) for b, seq in enumerate(batch)]
 
     def _worst_case_blocks(self, seq: Sequence) -> int:
-        return -(-seq.positions_needed // self.engine.pool.block_size)
+        return self.engine.pool.blocks_for(seq.positions_needed)
 
     def _can_admit(self, seq: Sequence) -> bool:
         if len(self.running) >= self.max_num_seqs:
