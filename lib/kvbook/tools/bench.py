@@ -281,7 +281,6 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         "tokens_per_s": batch * 1e3 / engine["tpot_ms"], "batch_size": batch,
         "ready_s": engine["ready_s"], "peak_rss_mb": engine["peak_rss_mb"],
         "memory_floor_ms": memory_floor_ms, "compute_floor_ms": compute_floor_ms,
-        "floor_ms": memory_floor_ms,  # the name chapter 8's recorded runs use
         "floors": {"decode_weight_bytes": weights_read, "decode_kv_bytes": kv_read,
                    "read_gbps": read_gbps, "read_gbps_samples": [round(r, 2) for r in reads],
                    "read_median_gbps": machine["read_median_gbps"],
@@ -290,7 +289,6 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         "kernels": machine["kernels"], "identity": machine["identity"],
         "paths": engine["paths"], "paths_text": engine["paths_text"],
         "ttft_spread": engine["ttft_spread"], "tpot_spread": engine["tpot_spread"],
-        "probe_gbps": read_gbps,
         "decode_weight_bytes": weights_read, "weight_bytes": all_weight_bytes(config),
         "weight_bytes_kept": engine["paths"]["weight_bytes_kept"],
         "kv_cache_bytes": engine["kv_cache_bytes"],

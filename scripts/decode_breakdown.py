@@ -1,0 +1,88 @@
+"""Where a decode step's time goes on this machine: the step against the matrix products it is made of.
+
+    .venv/bin/python scripts/decode_breakdown.py [--set inference.weight_dtype=int8] [--rounds 3]
+
+For the full model (config.toml plus any --set), in one process: the plain read (kvbook.runtime.paths), the
+engine's decode step after a 256-token prefill (median and best of 12), and the sum of its products alone, each
+matrix with one row in the decode path's dtype (float16 weights: `F.linear` on the engine's copy; int8 weights:
+`_weight_int8pack_mm`), the best of 5. Then the products' share of a step is what is left to gain outside them.
+BENCHMARKS.md records its figures with the CPU model ("Where a decode step's time goes").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from kvbook.config import load_config
+from kvbook.model.linear import linears
+from kvbook.model.quant import Int8Linear, int8_matmul
+from kvbook.runtime.engine import Engine
+from kvbook.runtime.paths import cpu_model, read_bandwidth_gbps
+from kvbook.tokenizer import build_prompt_ids
+from torch.nn import functional as F
+
+
+def step_ms(engine: Engine, prompt: list[int], steps: int = 12) -> tuple[float, float]:
+    """(median, best) milliseconds of the engine's decode step after a prefill of the prompt."""
+    cache = engine.new_cache()
+    logits, _ = engine.prefill(cache, prompt)  # [1, 1, vocab]
+    times = []
+    for _ in range(steps):
+        token = int(logits[0, -1].argmax())
+        started = time.perf_counter()
+        logits = engine.decode([token], [cache])  # [1, 1, vocab]
+        times.append((time.perf_counter() - started) * 1e3)
+    engine.release_cache(cache)
+    return statistics.median(times), min(times)
+
+
+def best_ms(run, repeats: int = 5) -> float:
+    run()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def products_ms(engine: Engine) -> tuple[float, int]:
+    """(ms, bytes) of every matrix product of a decode step, one row each, timed alone."""
+    total_ms, total_bytes = 0.0, 0
+    for module in engine.model.modules():
+        if isinstance(module, Int8Linear):
+            x = torch.randn(1, module.in_features).to(module.scale.dtype)  # [1, in]
+            total_ms += best_ms(lambda m=module, x=x: int8_matmul(x, m.qweight, m.scale))
+            total_bytes += module.weight_bytes
+    for module in linears(engine.model):
+        weight = module.weight_in(engine.decode_dtype)
+        x = torch.randn(1, module.in_features).to(weight.dtype)  # [1, in]
+        total_ms += best_ms(lambda w=weight, x=x: F.linear(x, w))
+        total_bytes += weight.nbytes
+    return total_ms, total_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    config = load_config("config.toml", args.set)
+    engine = Engine(config, progress=False)
+    prompt = build_prompt_ids(config.inference.input_len)
+    print(f"{cpu_model()}, {torch.get_num_threads()} threads; weights {config.inference.weight_dtype}, "
+          f"decode in {str(engine.decode_dtype).removeprefix('torch.')}")
+    for _ in range(args.rounds):
+        read = read_bandwidth_gbps(engine.device, repeats=5)["read_gbps"]
+        median, best = step_ms(engine, prompt)
+        alone, nbytes = products_ms(engine)
+        print(f"plain read {read:.1f} GB/s | step median {median:.1f} ms, best {best:.1f} | its products alone "
+              f"{alone:.1f} ms ({nbytes / alone / 1e6:.1f} GB/s, {alone / median:.0%} of the median step)")
+
+
+if __name__ == "__main__":
+    main()
