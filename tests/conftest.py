@@ -1,3 +1,5 @@
+import time
+
 import pytest
 from kvbook.config import Config, InferenceConfig, KVCacheConfig, ModelConfig
 from kvbook.device import enable_huge_pages
@@ -15,6 +17,14 @@ def small_config(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, tied=Fal
     return Config(model=model,
                   inference=InferenceConfig(input_len=12, output_len=output_len, dtype=dtype, device="cpu"),
                   kv_cache=KVCacheConfig(enable=enable, cache_dtype=dtype, max_cache_len=max_cache_len))
+
+
+def wait_until(condition, timeout=60.0, interval=0.02):
+    """Poll condition() until it is true; fail the test after timeout seconds (a server thread that never got there)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s"
+        time.sleep(interval)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 the room of a sequence with the paged layout, /metrics read back with prometheus_client's parser, /openapi.json."""
 
 import threading
-import time
 
 import pytest
 import requests
@@ -10,7 +9,7 @@ from kvbook.runtime.engine import Engine
 from kvbook.serving.server import BackgroundServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import small_config
+from .conftest import small_config, wait_until
 from .test_server import HELLO, KEY_ENV, MODEL, engine_prompt, post
 
 
@@ -69,9 +68,9 @@ def test_past_max_waiting_a_request_gets_503_at_once_without_touching_the_model(
         answers = []
         clients = [threading.Thread(target=lambda: answers.append(post(server, body))) for _ in range(2)]
         clients[0].start()
-        wait_for(lambda: prefills == [0])  # the first request runs
+        wait_until(lambda: prefills == [0])  # the first request runs
         clients[1].start()
-        wait_for(lambda: requests.get(server.url + "/health", timeout=10).json()["waiting"] == 1)
+        wait_until(lambda: requests.get(server.url + "/health", timeout=10).json()["waiting"] == 1)
         refused = post(server, body)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         error = refused.json()["error"]
@@ -85,13 +84,6 @@ def test_past_max_waiting_a_request_gets_503_at_once_without_touching_the_model(
         metrics = scrape(server)
     assert metrics[("kvbook:request_rejected_total", (("reason", "queue_full"),))] == 1
     assert metrics[("kvbook:request_success_total", (("finished_reason", "length"),))] == 2
-
-
-def wait_for(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])

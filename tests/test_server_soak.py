@@ -20,7 +20,7 @@ from kvbook.runtime.engine import Engine
 from kvbook.serving.server import BackgroundServer
 from kvbook.tokenizer import EOS_IDS, get_default_tokenizer
 
-from .conftest import small_config
+from .conftest import small_config, wait_until
 from .test_server import KEY_ENV, MODEL
 
 REQUESTS = 200  # after a warm-up round of 30
@@ -90,13 +90,6 @@ def server_tasks(server) -> int:
         return len(asyncio.all_tasks())
 
     return asyncio.run_coroutine_threadsafe(count(), loop).result(10)
-
-
-def wait_until(condition, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
