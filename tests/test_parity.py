@@ -1,12 +1,9 @@
 """Our model against transformers' Qwen3ForCausalLM (eager attention, float32) on tiny random configs:
-logits after prefill and at every decode step within 1e-5, and the caches' contents equal. On a CPU attention reads
-the cache a block of positions at a time (kvbook.model.attention.CPU_ATTENTION_BLOCK); the tiny prompts fit in one
-block, so each case runs again with blocks of 5 positions: 3 blocks in prefill, 3 or 4 in decode."""
+logits after prefill and at every decode step within 1e-5, and the caches' contents equal."""
 
 import pytest
 import torch
 from kvbook.cache.contiguous import KVCache
-from kvbook.model import attention
 from kvbook.model.weights import build_model
 from kvbook.tools.reference import hf_random_model, hf_weights
 from transformers import DynamicCache
@@ -27,11 +24,9 @@ def hf_reference(cfg):
     return hf, hf.config
 
 
-@pytest.mark.parametrize("block", [attention.CPU_ATTENTION_BLOCK, 5], ids=["one block", "blocks of 5"])
 @pytest.mark.parametrize("case", CASES)
 @torch.inference_mode()
-def test_logits_and_caches_match_transformers(case, block, monkeypatch):
-    monkeypatch.setattr(attention, "CPU_ATTENTION_BLOCK", block)
+def test_logits_and_caches_match_transformers(case):
     cfg = small_config(**CASES[case])
     hf, hf_cfg = hf_reference(cfg)
     if cfg.model.tie_word_embeddings:

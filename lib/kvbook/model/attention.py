@@ -1,8 +1,7 @@
 """Qwen3 self-attention: projections, per-head QK-norm, RoPE, cache write, grouped-query attention.
 
 The order of operations follows transformers' Qwen3Attention with eager attention; the two attention
-products and the softmax run in float32 (on a CPU over a block of cached positions at a time; the appendix "Making it
-fast on a CPU"). Explained in chapter 3 ("Inside layer 0"); the cache write in chapters 4 and 5.
+products and the softmax run in float32. Explained in chapter 3 ("Inside layer 0"); the cache write in chapters 4 and 5.
 
 Shapes: B sequences, T new positions (the prompt's 256 in prefill, 1 in decode), S positions attention reads (the
 history plus the new ones: 257 at the first decode step), H query heads, KV key/value heads, D = head_dim, C = H x D
@@ -19,10 +18,6 @@ from .linear import Linear
 from .norm import RMSNorm
 from .probe import Probe
 from .rope import ApplyRope
-
-# Cache positions converted to float32 at a time on a CPU (Attention._attend): a block's copy, 4 MiB for the
-# article's 32 heads of 128, stays in the CPU's caches.
-CPU_ATTENTION_BLOCK = 256
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -77,24 +72,11 @@ class Attention(nn.Module):
         """q [B, H, T, D], k and v [B, KV, S, D] -> [B, H, T, D]."""
         # The attention products run in float32, whatever the cache holds: softmax is float32 in transformers
         # too, and on a CPU without float16 arithmetic this is both faster and more exact (the appendix, "Making
-        # it fast on a CPU"). On a CPU, K and V are converted a block of positions at a time: converted whole, a
-        # long history's float32 copy (64 MiB per layer at 4096 positions) outgrows the CPU's caches, and the
-        # products then read it back from memory (3 x the time, BENCHMARKS.md, "Attention a block at a time").
-        groups, length = self.num_heads // self.num_kv_heads, k.shape[2]
-        block = CPU_ATTENTION_BLOCK if q.device.type == "cpu" else length
-        starts = range(0, length, block)
-
-        def as_float32(x, start):  # [B, KV, S, D] -> positions start..start + block, [B, H, block, D] in float32
-            return repeat_kv(x[:, :, start:start + block], groups).float()
-
-        query = q.float()  # [B, H, T, D]
-        parts = [torch.matmul(query, as_float32(k, start).transpose(2, 3)) for start in starts]  # [B, H, T, block]
-        scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * self.scaling  # [B, H, T, S]
+        # it fast on a CPU").
+        k = repeat_kv(k, self.num_heads // self.num_kv_heads).float()  # [B, H, S, D]
+        v = repeat_kv(v, self.num_heads // self.num_kv_heads).float()
+        scores = torch.matmul(q.float(), k.transpose(2, 3)) * self.scaling  # [B, H, T, S]
         if mask is not None:
             scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         weights = self.attn_weights(torch.softmax(scores, dim=-1))  # [B, H, T, S], each row sums to 1
-        out = None
-        for start in starts:
-            part = torch.matmul(weights[..., start:start + block], as_float32(v, start))  # [B, H, T, D]
-            out = part if out is None else out.add_(part)
-        return out.to(q.dtype)  # [B, H, T, D]
+        return torch.matmul(weights, v).to(q.dtype)  # [B, H, T, D]
