@@ -20,7 +20,7 @@ from kvbook.config import load_config
 from kvbook.model.linear import linears
 from kvbook.model.quant import Int8Linear, int8_matmul
 from kvbook.runtime.engine import Engine
-from kvbook.runtime.paths import cpu_model, read_bandwidth_gbps
+from kvbook.runtime.paths import best_seconds, cpu_model, read_bandwidth_gbps
 from kvbook.tokenizer import build_prompt_ids
 from torch.nn import functional as F
 
@@ -39,28 +39,18 @@ def step_ms(engine: Engine, prompt: list[int], steps: int = 12) -> tuple[float, 
     return statistics.median(times), min(times)
 
 
-def best_ms(run, repeats: int = 5) -> float:
-    run()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
-
-
 def products_ms(engine: Engine) -> tuple[float, int]:
     """(ms, bytes) of every matrix product of a decode step, one row each, timed alone."""
     total_ms, total_bytes = 0.0, 0
     for module in engine.model.modules():
         if isinstance(module, Int8Linear):
             x = torch.randn(1, module.in_features).to(module.scale.dtype)  # [1, in]
-            total_ms += best_ms(lambda m=module, x=x: int8_matmul(x, m.qweight, m.scale))
+            total_ms += best_seconds(lambda m=module, x=x: int8_matmul(x, m.qweight, m.scale), engine.device) * 1e3
             total_bytes += module.weight_bytes
     for module in linears(engine.model):
         weight = module.weight_in(engine.decode_dtype)
         x = torch.randn(1, module.in_features).to(weight.dtype)  # [1, in]
-        total_ms += best_ms(lambda w=weight, x=x: F.linear(x, w))
+        total_ms += best_seconds(lambda w=weight, x=x: F.linear(x, w), engine.device) * 1e3
         total_bytes += weight.nbytes
     return total_ms, total_bytes
 

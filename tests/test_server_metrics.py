@@ -68,9 +68,9 @@ def test_past_max_waiting_a_request_gets_503_at_once_without_touching_the_model(
         answers = []
         clients = [threading.Thread(target=lambda: answers.append(post(server, body))) for _ in range(2)]
         clients[0].start()
-        wait_until(lambda: prefills == [0])  # the first request runs
+        wait_until(lambda: prefills == [0], timeout=30)  # the first request runs
         clients[1].start()
-        wait_until(lambda: requests.get(server.url + "/health", timeout=10).json()["waiting"] == 1)
+        wait_until(lambda: requests.get(server.url + "/health", timeout=10).json()["waiting"] == 1, timeout=30)
         refused = post(server, body)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         error = refused.json()["error"]

@@ -191,6 +191,12 @@ def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dty
     else:
         def run():
             return F.linear(x, weight)
+    return best_seconds(run, device, repeats, give_up_s)
+
+
+def best_seconds(run, device: torch.device, repeats: int = 5, give_up_s: float = float("inf")) -> float:
+    """Best seconds of run() over `repeats` calls after a warm-up, the device synchronized around each. A warm-up
+    slower than give_up_s is returned at once, not repeated."""
     best = float("inf")
     for i in range(repeats + 1):  # the first is a warm-up
         synchronize(device)
