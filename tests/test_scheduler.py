@@ -4,6 +4,7 @@ with exactly the tokens it gets alone; admission by the pool's free blocks; abor
 import pytest
 import torch
 from kvbook.device import TORCH_DTYPES
+from kvbook.model.linear import fbgemm_available
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.paths import fixed_paths, invariant_row_multiple
 from kvbook.runtime.scheduler import Scheduler
@@ -47,15 +48,20 @@ def test_late_arrivals_join_the_running_batch_and_get_the_tokens_they_get_alone(
     assert engine.pool.used_blocks == 0
 
 
-@pytest.mark.parametrize("batched", ["measured", "float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("batched", ["measured", "float16", "bfloat16", "float32", "fbgemm"])
 def test_float16_on_cpu_batched_rows_are_bitwise_what_they_are_alone(weight_cache, batched):
     # float16 weights: batched steps compute in the dtype this machine measured fastest (kvbook.runtime.paths), or in
-    # the one another machine would take; a sequence alone in the scheduler gets the same numbers (as two rows)
+    # the one another machine would take (fbgemm: float32 rows, float16 weights packed for FBGEMM); a sequence alone
+    # in the scheduler gets the same numbers (as two rows)
     paths = None
     if batched != "measured":
         cfg = make_engine(dtype="float16").config
-        multiple, _ = invariant_row_multiple(cfg, TORCH_DTYPES[batched], torch.device("cpu"), 8)
-        paths = fixed_paths(torch.bfloat16, torch.float16, TORCH_DTYPES[batched], batch_row_multiple=multiple)
+        kernel = "fbgemm" if batched == "fbgemm" else "torch"
+        dtype = torch.float32 if batched == "fbgemm" else TORCH_DTYPES[batched]
+        if kernel == "fbgemm" and not fbgemm_available(torch.device("cpu")):
+            pytest.skip("torch built without FBGEMM (not an x86 CPU)")
+        multiple, _ = invariant_row_multiple(cfg, dtype, torch.device("cpu"), 8, kernel)
+        paths = fixed_paths(torch.bfloat16, torch.float16, dtype, batch_row_multiple=multiple, batched_kernel=kernel)
     engine = make_engine(dtype="float16", paths=paths)
     scheduler = Scheduler(engine, max_num_seqs=8)
     assert scheduler.batched  # its decode steps compute in engine.batched_decode_dtype, rows padded
@@ -125,20 +131,29 @@ def test_a_bad_request_is_refused_when_added(weight_cache):
     assert not scheduler.has_work
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, "fbgemm"])
 def test_a_row_computes_the_same_alone_as_in_a_batch(dtype):
-    # at real widths a CPU's kernel for one row may round differently from the one for several rows; inside
-    # batch_invariant_rows kvbook.model.linear pads rows to the multiple kvbook.runtime.paths measures for the dtype,
-    # so a decode step does not depend on the batch
+    # at real widths a CPU's kernel for one row may round differently from the one for several rows (FBGEMM's
+    # float16 kernel does for 1, 2, 7 and 14 of 16 rows on an AMD EPYC Zen 3); inside batch_invariant_rows
+    # kvbook.model.linear pads rows to the multiple kvbook.runtime.paths measures for the kernel, so a decode step
+    # does not depend on the batch
     from kvbook.model.linear import Linear, batch_invariant_rows
 
+    kernel = "torch"
+    if dtype == "fbgemm":
+        if not fbgemm_available(torch.device("cpu")):
+            pytest.skip("torch built without FBGEMM (not an x86 CPU)")
+        kernel, dtype = "fbgemm", torch.float32
     torch.manual_seed(0)
     layer = Linear(4096, 1024, dtype=torch.float16)
     layer.weight.data = (torch.randn(1024, 4096) * 0.02).half()
-    layer.copies[dtype] = layer.weight.to(dtype)
+    if kernel == "fbgemm":
+        layer.pack()
+    else:
+        layer.copies[dtype] = layer.weight.to(dtype)
     x = torch.randn(8, 1, 4096).to(dtype)  # [B, 1, hidden]: one decode position per sequence
     cfg = small_config(hidden=4096, heads=32, head_dim=128, kv_heads=32).replace(model={"intermediate_size": 4096})
-    multiple, _ = invariant_row_multiple(cfg, dtype, torch.device("cpu"), 8)
+    multiple, _ = invariant_row_multiple(cfg, dtype, torch.device("cpu"), 8, kernel)
     with batch_invariant_rows(multiple):
         batched = layer(x)
         assert all(torch.equal(batched[b:b + 1], layer(x[b:b + 1])) for b in range(8))

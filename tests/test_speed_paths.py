@@ -6,7 +6,16 @@ import json
 
 import pytest
 import torch
-from kvbook.model.linear import Linear, add_copies, split_long_inputs, weight_bytes_kept
+from kvbook.model.linear import (
+    Linear,
+    add_copies,
+    batch_invariant_rows,
+    fbgemm_available,
+    pack_model,
+    packed_linear,
+    split_long_inputs,
+    weight_bytes_kept,
+)
 from kvbook.model.weights import load_random_weights, prefill_weight_names, random_weights_path, wait_for_saves
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.paths import (
@@ -41,9 +50,13 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache, monkeypatc
     for phase in PHASES:
         path = getattr(first, phase)
         assert path.dtype in candidates(torch.float16)
-        assert set(path.estimated_ms) == {"float16", "bfloat16", "float32"}
+        # a batched step may also multiply float32 rows by float16 weights packed for FBGEMM (an x86 torch has it)
+        fbgemm = {"fbgemm-float16"} if phase == "batched_decode" and fbgemm_available(CPU) else set()
+        assert set(path.estimated_ms) == {"float16", "bfloat16", "float32"} | fbgemm
+        assert (path.kernel == "fbgemm") == (path.label == "fbgemm-float16")
+        assert path.kernel == "torch" or path.dtype == torch.float32
         fastest = min(path.estimated_ms, key=path.estimated_ms.get)
-        chosen = str(path.dtype).removeprefix("torch.")
+        chosen = path.label
         # the fastest, or the weights' own dtype when it is within the margin (no copy)
         assert chosen == fastest or (chosen == "float16" and "needs no copy" in path.reason
                                      and path.estimated_ms["float16"] <= 1.1 * path.estimated_ms[fastest])
@@ -204,3 +217,42 @@ def test_generate_json_says_which_path_ran_and_why(tmp_path):
     assert out["paths"]["decode"]["reason"].startswith("measured")
     assert out["paths"]["weight_bytes_kept"] >= out["paths"]["weight_bytes_values"] > 0
     assert out["paths_text"][1].startswith("decode: " + out["paths"]["decode"]["dtype"])
+
+
+needs_fbgemm = pytest.mark.skipif(not fbgemm_available(CPU), reason="torch built without FBGEMM (not an x86 CPU)")
+
+
+@needs_fbgemm
+def test_a_batched_step_multiplies_float32_rows_by_the_packed_float16_weight():
+    layer = Linear(4096, 5000, dtype=torch.float16)  # more rows than one packed block (kvbook.model.linear.PACK_ROWS)
+    layer.weight.data = (torch.randn(5000, 4096) * 0.02).half()
+    layer.copies[torch.float32] = torch.zeros(5000, 4096)  # a copy that is easy to recognise
+    x = torch.randn(3, 4096)
+    layer.pack()
+    assert len(layer.packed) == 2
+    exact = torch.nn.functional.linear(x.double(), layer.weight.double())
+    with batch_invariant_rows(4):
+        out = layer(x)
+    # float32 products and sums of 4096 terms of size ~0.02: within float32 rounding of the exact product
+    assert out.dtype == torch.float32 and (out.double() - exact).abs().max() < 1e-4
+    assert torch.count_nonzero(layer(x)) == 0  # outside a batched step: the float32 copy, as before
+    assert layer(x.half()).dtype == torch.float16  # a float16 batched step keeps F.linear on the weight
+    torch.testing.assert_close(packed_linear(x, layer.packed), out)
+
+
+@needs_fbgemm
+def test_packed_weights_are_counted_and_made_once(weight_cache):
+    engine = Engine(small_config(dtype="float16"), progress=False,
+                    paths=fixed_paths(torch.float16, torch.float16, torch.float32, batched_kernel="fbgemm"))
+    before = weight_bytes_kept(engine.model)
+    cache = engine.new_cache()
+    engine.prefill(cache, PROMPT)
+    logits = engine.decode([7], [cache], batched=True)  # a batched step packs the weights first (chapter 11 calls it)
+    assert logits.dtype == torch.float32 and logits.shape == (1, 1, engine.config.model.vocab_size)
+    layers = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    assert all(m.packed is not None for m in layers) and not any(m.copies for m in layers)
+    assert weight_bytes_kept(engine.model) == before + sum(2 * m.weight.numel() for m in layers)
+    packed = [m.packed for m in layers]
+    pack_model(engine.model)
+    assert [m.packed for m in layers] == packed  # a shared model is packed once
+    assert engine.paths.batched_decode.label == "fbgemm-float16" and "fbgemm-float16" in engine.paths.describe()[2]

@@ -12,6 +12,12 @@ lm_head's [1, 1, in] into a batched matrix product that copies the whole transpo
 
 A lone row may read a wide matrix (down_proj's 11008 inputs) faster as contiguous column blocks of at most
 SPLIT_WIDTH inputs, on some CPUs; kvbook.runtime.paths measures whether (`split_input`).
+
+A batched decode step may instead multiply float32 rows by the float16 weight packed for FBGEMM (`pack`), the x86
+library behind torch's quantized CPU operators: its float16 kernel converts the weight to float32 in registers,
+so it reads 2 bytes per weight and multiplies in float32. On some CPUs it multiplies a few rows several times
+faster than F.linear in any dtype; kvbook.runtime.paths measures whether. Packing is slow (about 10 ns per weight,
+seconds for this model), so only a scheduler that batches asks for it (kvbook.runtime.engine).
 """
 
 from __future__ import annotations
@@ -20,12 +26,17 @@ import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 SPLIT_WIDTH = 8192  # column blocks of a split matrix are at most this wide
+# FBGEMM packs a matrix as blocks of at most this many rows: its packing costs ~10 ns per weight up to 4096 rows and
+# grows with more (39 ns at 32768 rows, AMD EPYC Zen 3; BENCHMARKS.md)
+PACK_ROWS = 4096
+FBGEMM = "fbgemm"  # the kernel name kvbook.runtime.paths gives a phase that multiplies packed weights
 
 _state = threading.local()
 
@@ -54,6 +65,7 @@ class Linear(nn.Linear):
         # lm_head: a lone row (prefill's last position, a decode step) computes in this dtype, whatever the
         # dtype of the layers' activations (kvbook.runtime.paths' decode choice)
         self.row_dtype: torch.dtype | None = None
+        self.packed: list | None = None  # the weight packed for FBGEMM, in row blocks: a batched step's (`pack`)
 
     def reset_parameters(self) -> None:
         """No random init: weights always come from kvbook.model.weights (drawn from the config's seed or loaded)."""
@@ -71,19 +83,26 @@ class Linear(nn.Linear):
         if weight is not None and count > 1 and dtype not in self.blocks:  # a shared model is split once
             self.blocks[dtype] = [block.contiguous() for block in weight.chunk(count, dim=1)]
 
+    def pack(self) -> None:
+        """Keep the weight packed for FBGEMM too: a batched step's float32 rows are then multiplied by it."""
+        if self.packed is None:  # a shared model is packed once
+            self.packed = pack_float16(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         x = x.reshape(-1, self.in_features)  # [rows, in]: always 2-D (see the module's docstring)
         rows, multiple = x.shape[0], getattr(_state, "multiple", None)  # None: not a batched step
         if rows == 1 and multiple is None and self.row_dtype is not None:
             x = x.to(self.row_dtype)
+        if multiple is not None and self.packed is not None and x.dtype == torch.float32:
+            out = padded_rows(x, multiple, partial(packed_linear, packed=self.packed))  # FBGEMM's batched step
+            return out.reshape(*leading, self.out_features)
         weight = self.weight_in(x.dtype)
         if weight is None:
             x = x.to(self.weight.dtype)
             weight = self.weight
-        if multiple is not None and rows % multiple:
-            padding = x.new_zeros(multiple - rows % multiple, self.in_features)
-            out = F.linear(torch.cat([x, padding]), weight)[:rows]
+        if multiple is not None:
+            out = padded_rows(x, multiple, partial(F.linear, weight=weight))
         elif rows == 1 and weight.dtype in self.blocks:
             blocks = self.blocks[weight.dtype]
             parts = x.split(blocks[0].shape[1], dim=-1)
@@ -91,6 +110,32 @@ class Linear(nn.Linear):
         else:
             out = F.linear(x, weight)
         return out.reshape(*leading, self.out_features)
+
+
+def padded_rows(x: torch.Tensor, multiple: int, product) -> torch.Tensor:
+    """product(x) [rows, out] computed on x [rows, in] padded with zero rows to a multiple of `multiple`."""
+    rows = x.shape[0]
+    if rows % multiple == 0:
+        return product(x)
+    return product(torch.cat([x, x.new_zeros(multiple - rows % multiple, x.shape[1])]))[:rows]
+
+
+def fbgemm_available(device: torch.device) -> bool:
+    """Whether torch was built with FBGEMM (x86 CPUs) and the weights live on a CPU."""
+    return device.type == "cpu" and FBGEMM in torch.backends.quantized.supported_engines
+
+
+def pack_float16(weight: torch.Tensor) -> list:
+    """weight [out, in] -> FBGEMM's packed float16 matrices of at most PACK_ROWS rows each (the values are the
+    weight's, rounded to float16 if they were not already)."""
+    return [torch.ops.quantized.linear_prepack_fp16(block.float(), None) for block in weight.split(PACK_ROWS)]
+
+
+def packed_linear(x: torch.Tensor, packed: list) -> torch.Tensor:
+    """x [rows, in] float32 times a weight packed by pack_float16 -> [rows, out] float32 (FBGEMM's float16 kernel:
+    the weight converted to float32 in registers, products and sums in float32)."""
+    parts = [torch.ops.quantized.linear_dynamic_fp16(x, block) for block in packed]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def linears(model: nn.Module) -> list[Linear]:
@@ -101,6 +146,16 @@ def split_long_inputs(model: nn.Module, dtype: torch.dtype | None = None) -> Non
     """Store every weight (or its dtype copy) wider than SPLIT_WIDTH inputs (down_proj) as column blocks too."""
     for module in linears(model):
         module.split_input(dtype)
+
+
+def pack_model(model: nn.Module, progress: bool = False) -> None:
+    """Pack every Linear's weight for FBGEMM (seconds for the article's model: a bar on stderr with progress)."""
+    from tqdm.auto import tqdm
+
+    unpacked = [module for module in linears(model) if module.packed is None]
+    for module in tqdm(unpacked, desc="kvbook: packing float16 weights for FBGEMM", unit="matrix",
+                       disable=not progress or not unpacked):
+        module.pack()
 
 
 def add_copies(model: nn.Module, dtype: torch.dtype) -> None:
@@ -114,7 +169,9 @@ def add_copies(model: nn.Module, dtype: torch.dtype) -> None:
 def weight_bytes_kept(model: nn.Module) -> int:
     """Bytes of every tensor the model keeps for its weights: the parameters (the article's values), the buffers
     (an int8 layer's matrix and scales, kvbook.model.quant), and the arithmetic copies (an int8 layer's floating
-    prefill copy too) and column blocks, each storage counted once (a tied lm_head is the embedding)."""
+    prefill copy too) and column blocks, each storage counted once (a tied lm_head is the embedding), and the
+    matrices packed for FBGEMM (2 bytes per weight: their blocks' padding, none at this model's widths, is not
+    counted)."""
     tensors = list(model.parameters()) + list(model.buffers())
     for module in model.modules():
         tensors += list(getattr(module, "copies", {}).values())
@@ -125,4 +182,4 @@ def weight_bytes_kept(model: nn.Module) -> int:
         if key not in seen:
             seen.add(key)
             total += tensor.untyped_storage().nbytes()
-    return total
+    return total + sum(2 * m.weight.numel() for m in linears(model) if m.packed is not None)

@@ -20,7 +20,7 @@ from ..cache.paged import BlockPool, PagedKVCache
 from ..config import Config
 from ..device import TORCH_DTYPES, enable_huge_pages, resolve_device, synchronize
 from ..model import quant
-from ..model.linear import add_copies, batch_invariant_rows, split_long_inputs, weight_bytes_kept
+from ..model.linear import FBGEMM, add_copies, batch_invariant_rows, pack_model, split_long_inputs, weight_bytes_kept
 from ..model.qwen3 import Qwen3ForCausalLM
 from ..model.weights import (
     attach_prefill_weights,
@@ -53,6 +53,8 @@ class Engine:
         self.decode_dtype = self.paths.decode.dtype  # a lone sequence's decode step
         self.batched_decode_dtype = self.paths.batched_decode.dtype  # a scheduler's step that may batch sequences
         self.prefix_caching = config.kv_cache.prefix_caching
+        self.progress = progress
+        self.batched_ready = False  # prepare_batched_decode has run
         separate_prefill = self.prefill_dtype != self.dtype
         drawn = model is None  # random weights, from the weight cache (kvbook.model.weights)
         if model is None:
@@ -137,6 +139,8 @@ class Engine:
         cache replays its CUDA graph."""
         if not batched and self.decoder is not None and caches[0] is self.decoder.cache:
             return self.decoder.step(tokens[0])  # the same step, replayed from a CUDA graph
+        if batched:
+            self.prepare_batched_decode()
         ids, positions, batch = prepare_decode(tokens, caches, self.device)  # [B, 1], [B]
         invariant = batch_invariant_rows(self.paths.batch_row_multiple) if batched else contextlib.nullcontext()
         with torch.inference_mode(), invariant:
@@ -154,9 +158,16 @@ class Engine:
                               compute_dtype=self.prefill_dtype)  # [1, 1, vocab]
 
     def prepare_batched_decode(self) -> None:
-        """Give every matrix a batched_decode_dtype copy, made when a scheduler that batches first needs it (an int8
-        model reads its int8 weights for a few rows, kvbook.model.quant)."""
-        add_copies(self.model, self.batched_decode_dtype)
+        """Give every matrix a batched_decode_dtype copy, or pack it for FBGEMM where that is the batched step's
+        kernel (kvbook.model.linear), when a scheduler that batches, or a batched step, first needs it (an int8
+        model reads its int8 weights for a few rows, kvbook.model.quant). Once per engine."""
+        if self.batched_ready:
+            return
+        if self.paths.batched_decode.kernel == FBGEMM:
+            pack_model(self.model, self.progress)
+        else:
+            add_copies(self.model, self.batched_decode_dtype)
+        self.batched_ready = True
 
     def describe_paths(self) -> dict:
         """Which arithmetic each phase runs and why, and the bytes kept for the weights (JSON-ready)."""

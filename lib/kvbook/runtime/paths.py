@@ -11,6 +11,11 @@ torch's version and thread count, and the shapes). On a GPU the choice is by cap
 tensor cores run natively. A float32 copy holds the float16 values exactly; a bfloat16 copy rounds them to 8 bits
 of mantissa (a numeric choice, stated wherever the path is printed). Copies cost memory, counted by the bench.
 
+A batched decode step has one more candidate on an x86 CPU: float32 rows times the float16 weights packed for FBGEMM
+(kvbook.model.linear; the kernel "fbgemm", shown as "fbgemm-float16"). It computes in float32 like a float32 copy but
+reads 2 bytes per weight. Packing takes seconds for the article's model, so only the batched step, which a
+long-running server or batch job builds once, is offered it; a lone step and prefill are built with every engine.
+
 [inference] prefill_dtype pins prefill's dtype ("auto" = measured). The appendix ("Making it fast on a CPU") shows
 the choice.
 """
@@ -24,6 +29,7 @@ import logging
 import os
 import platform
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,10 +37,11 @@ from torch.nn import functional as F
 
 from ..config import Config
 from ..device import TORCH_DTYPES, synchronize
+from ..model.linear import FBGEMM, fbgemm_available, pack_float16, packed_linear, padded_rows
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 3  # bump when what is measured changes, so old choices are measured again
+PATHS_VERSION = 4  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
 MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
@@ -63,14 +70,23 @@ def candidates(weight_dtype: torch.dtype) -> list[torch.dtype]:
 
 @dataclasses.dataclass(frozen=True)
 class PhasePath:
-    """One phase's arithmetic: its dtype, why, and the estimate per candidate that decided it."""
+    """One phase's arithmetic: its dtype (the activations'), its kernel ("torch": F.linear on the weights or their
+    copy in dtype; "fbgemm": float32 rows times the float16 weights packed for FBGEMM), why, and the estimate per
+    candidate that decided it."""
 
     dtype: torch.dtype
     reason: str
-    estimated_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # dtype name -> the phase's matrices
+    estimated_ms: dict[str, float] = dataclasses.field(default_factory=dict)  # candidate label -> the matrices' ms
+    kernel: str = "torch"
+
+    @property
+    def label(self) -> str:
+        """'float16', 'bfloat16', 'float32' or 'fbgemm-float16' (float32 rows, float16 weights packed for FBGEMM)."""
+        return f"{FBGEMM}-float16" if self.kernel == FBGEMM else dtype_name(self.dtype)
 
     def to_json(self) -> dict:
-        return {"dtype": dtype_name(self.dtype), "reason": self.reason, "estimated_ms": self.estimated_ms}
+        return {"dtype": dtype_name(self.dtype), "kernel": self.kernel, "label": self.label, "reason": self.reason,
+                "estimated_ms": self.estimated_ms}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +111,7 @@ class ComputePaths:
 
     def describe(self) -> list[str]:
         """One line per phase: 'decode: float32 (measured, one row ...: float32 61.0 ms, float16 75.2 ms)'."""
-        return [f"{phase}: {dtype_name(getattr(self, phase).dtype)} ({getattr(self, phase).reason})"
+        return [f"{phase}: {getattr(self, phase).label} ({getattr(self, phase).reason})"
                 for phase in PHASES] + [f"down_proj as column blocks for one row: "
                                         f"{'yes' if self.split_wide_rows else 'no'} ({self.split_reason})",
                                         f"batched rows padded to a multiple of {self.batch_row_multiple} "
@@ -106,9 +122,11 @@ class ComputePaths:
 
 
 def fixed_paths(prefill: torch.dtype, decode: torch.dtype, batched: torch.dtype, reason: str = "fixed",
-                batch_row_multiple: int = 1) -> ComputePaths:
-    """Paths chosen by the caller (tests, or a machine where nothing needs measuring)."""
-    return ComputePaths(PhasePath(prefill, reason), PhasePath(decode, reason), PhasePath(batched, reason), "fixed",
+                batch_row_multiple: int = 1, batched_kernel: str = "torch") -> ComputePaths:
+    """Paths chosen by the caller (tests, or a machine where nothing needs measuring); batched_kernel FBGEMM needs
+    batched = float32."""
+    return ComputePaths(PhasePath(prefill, reason), PhasePath(decode, reason),
+                        PhasePath(batched, reason, kernel=batched_kernel), "fixed",
                         batch_row_multiple=batch_row_multiple, batch_row_reason=reason)
 
 
@@ -177,13 +195,17 @@ def paths_cache_dir() -> Path:
 # ---- measuring ---------------------------------------------------------------------------------------------
 
 def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
-                repeats: int = 5, split: int = 0, give_up_s: float = float("inf")) -> float:
+                repeats: int = 5, split: int = 0, give_up_s: float = float("inf"), kernel: str = "torch") -> float:
     """Best seconds of F.linear([rows, in], [out, in]) in dtype; split > 0: the weight as column blocks of at
-    most `split` inputs, summed (kvbook.model.linear). A warm-up slower than give_up_s is not repeated (a dtype that
-    has already lost)."""
+    most `split` inputs, summed (kvbook.model.linear); kernel FBGEMM: float32 rows times the float16 weight packed
+    (dtype is then float32). A warm-up slower than give_up_s is not repeated (a dtype that has already lost)."""
     weight = torch.randn(out_features, in_features, device=device).to(dtype)
     x = torch.randn(rows, in_features, device=device).to(dtype)
-    if split and in_features > split:
+    if kernel == FBGEMM:
+        packed = pack_float16(weight)
+        def run():
+            return packed_linear(x, packed)
+    elif split and in_features > split:
         blocks = [b.contiguous() for b in weight.chunk(-(-in_features // split), dim=1)]
         parts = x.split(blocks[0].shape[1], dim=1)
         def run():
@@ -235,13 +257,13 @@ def matrix_groups(config: Config, lm_head: bool) -> list[tuple[tuple[int, int], 
 
 
 def estimate_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device, lm_head: bool,
-                repeats: int = 3) -> float:
+                repeats: int = 3, kernel: str = "torch") -> float:
     """Milliseconds of every layer matrix (and lm_head) multiplied by `rows` rows, from one timed matrix per
     input width (as many output rows as the model has at that width, at most TIMED_ROWS_MAX)."""
     total = 0.0
     for (_, width), params in matrix_groups(config, lm_head):
         out = max(1, min(params // width, TIMED_ROWS_MAX))
-        total += time_linear(rows, out, width, dtype, device, repeats) * params / (out * width)
+        total += time_linear(rows, out, width, dtype, device, repeats, kernel=kernel) * params / (out * width)
     return total * 1e3
 
 
@@ -271,27 +293,28 @@ def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device) -> 
     return plain * 1e3, split * 1e3
 
 
-def invariant_row_multiple(config: Config, dtype: torch.dtype, device: torch.device, max_rows: int) \
-        -> tuple[int, str]:
+def invariant_row_multiple(config: Config, dtype: torch.dtype, device: torch.device, max_rows: int,
+                           kernel: str = "torch") -> tuple[int, str]:
     """The smallest multiple m (1, 2, 4, 8, 16) such that, with rows padded to a multiple of m, each of 1..max_rows
-    rows gets exactly the numbers it gets among max_rows, at every input width of the model; max_rows itself (every
-    step computes as many rows) when none does."""
+    rows gets exactly the numbers it gets among max_rows, at every input width of the model, through the batched
+    step's kernel; max_rows itself (every step computes as many rows) when none does."""
     m = config.model
     widths = sorted({m.hidden_size, m.num_attention_heads * m.head_dim, m.intermediate_size})
     generator = torch.Generator().manual_seed(0)
-    tensors = [(torch.randn(256, width, generator=generator).to(device, dtype),
-                torch.randn(max_rows, width, generator=generator).to(device, dtype)) for width in widths]
-
-    def padded(x: torch.Tensor, weight: torch.Tensor, multiple: int) -> torch.Tensor:
-        rows = x.shape[0]
-        extra = -rows % multiple
-        return F.linear(torch.cat([x, x.new_zeros(extra, x.shape[1])]) if extra else x, weight)[:rows]
+    products = []
+    for width in widths:
+        weight = torch.randn(256, width, generator=generator).to(device, dtype)
+        x = torch.randn(max_rows, width, generator=generator).to(device, dtype)
+        if kernel == FBGEMM:
+            products.append((partial(packed_linear, packed=pack_float16(weight)), x))
+        else:
+            products.append((partial(F.linear, weight=weight), x))
 
     for multiple in (1, 2, 4, 8, 16):
         if multiple > max_rows:
             break
-        if all(torch.equal(padded(x[:rows], weight, multiple), padded(x, weight, multiple)[:rows])
-               for weight, x in tensors for rows in range(1, max_rows + 1)):
+        if all(torch.equal(padded_rows(x[:rows], multiple, product), padded_rows(x, multiple, product)[:rows])
+               for product, x in products for rows in range(1, max_rows + 1)):
             return multiple, f"measured: the smallest with which 1..{max_rows} rows round as in a batch"
     return max_rows, f"measured: no multiple up to 16 rounds 1..{max_rows} rows alike; every step computes {max_rows}"
 
@@ -315,38 +338,45 @@ def measure_paths(config: Config, device: torch.device) -> ComputePaths:
 
 def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
     started = time.perf_counter()
-    names = {dtype_name(d): d for d in candidates(TORCH_DTYPES[config.inference.dtype])}
+    weight_dtype = TORCH_DTYPES[config.inference.dtype]
+    kernels = {dtype_name(d): (d, "torch") for d in candidates(weight_dtype)}  # label -> (dtype, kernel)
+    batched_kernels = dict(kernels)
+    if weight_dtype == torch.float16 and fbgemm_available(device):  # FBGEMM holds float16 values exactly
+        batched_kernels[f"{FBGEMM}-float16"] = (torch.float32, FBGEMM)
     prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
     batch_rows = _batch_rows(config)
     phases = {
-        "prefill": (f"{prefill_rows} prompt rows through the layers",
-                    lambda dtype, best: estimate_prefill_ms(config, prefill_rows, dtype, device, best)),
-        "decode": ("one row through the layers and lm_head",
-                   lambda dtype, best: estimate_ms(config, 1, dtype, device, lm_head=True)),
-        "batched_decode": (f"{batch_rows} rows through the layers and lm_head",
-                           lambda dtype, best: estimate_ms(config, batch_rows, dtype, device, lm_head=True)),
+        "prefill": (f"{prefill_rows} prompt rows through the layers", kernels,
+                    lambda dtype, kernel, best: estimate_prefill_ms(config, prefill_rows, dtype, device, best)),
+        "decode": ("one row through the layers and lm_head", kernels,
+                   lambda dtype, kernel, best: estimate_ms(config, 1, dtype, device, lm_head=True)),
+        "batched_decode": (f"{batch_rows} rows through the layers and lm_head", batched_kernels,
+                           lambda dtype, kernel, best: estimate_ms(config, batch_rows, dtype, device, lm_head=True,
+                                                                   kernel=kernel)),
     }
-    weights = dtype_name(TORCH_DTYPES[config.inference.dtype])
+    weights = dtype_name(weight_dtype)
     chosen = {}
-    for phase, (what, estimate) in phases.items():
+    for phase, (what, options, estimate) in phases.items():
         estimates: dict[str, float] = {}
-        for _ in range(MEASURE_ROUNDS):  # dtypes interleaved, the best of each kept: a machine whose speed
-            for name, dtype in names.items():  # drifts (other processes) weighs on every candidate alike
+        for _ in range(MEASURE_ROUNDS):  # candidates interleaved, the best of each kept: a machine whose speed
+            for label, (dtype, kernel) in options.items():  # drifts (other processes) weighs on every one alike
                 best_so_far = min(estimates.values(), default=float("inf"))
-                estimates[name] = min(estimates.get(name, float("inf")), estimate(dtype, best_so_far))
+                estimates[label] = min(estimates.get(label, float("inf")), estimate(dtype, kernel, best_so_far))
         best = min(estimates, key=estimates.get)
         note = ""
         if best != weights and estimates[weights] <= (1 + COPY_MARGIN) * estimates[best]:
             best, note = weights, f"; the weights' own dtype, within {COPY_MARGIN:.0%} of the fastest, needs no copy"
-        chosen[phase] = PhasePath(names[best], f"measured, {what}: {_summary(estimates)}{note}",
-                                  {k: round(v, 3) for k, v in estimates.items()})
+        dtype, kernel = options[best]
+        chosen[phase] = PhasePath(dtype, f"measured, {what}: {_summary(estimates)}{note}",
+                                  {k: round(v, 3) for k, v in estimates.items()}, kernel)
     wide = time_wide_rows(config, chosen["decode"].dtype, device)
     split, split_reason = False, "no matrix is wider than the split width"
     if wide is not None:
         split = wide[1] < wide[0]
         split_reason = f"measured, one row through down_proj: as blocks {wide[1]:.2f} ms, whole {wide[0]:.2f} ms"
-    multiple, multiple_reason = invariant_row_multiple(config, chosen["batched_decode"].dtype, device, batch_rows)
-    return ComputePaths(chosen["prefill"], chosen["decode"], chosen["batched_decode"], "measured",
+    batched = chosen["batched_decode"]
+    multiple, multiple_reason = invariant_row_multiple(config, batched.dtype, device, batch_rows, batched.kernel)
+    return ComputePaths(chosen["prefill"], chosen["decode"], batched, "measured",
                         time.perf_counter() - started, split, split_reason, multiple, multiple_reason)
 
 
@@ -363,7 +393,7 @@ def _cache_path(config: Config) -> Path:
 
 def _from_json(data: dict, source: str) -> ComputePaths:
     phases = {phase: PhasePath(TORCH_DTYPES[data[phase]["dtype"]], data[phase]["reason"],
-                               data[phase].get("estimated_ms", {})) for phase in PHASES}
+                               data[phase].get("estimated_ms", {}), data[phase]["kernel"]) for phase in PHASES}
     return ComputePaths(**phases, source=source, measured_s=0.0, split_wide_rows=data["split_wide_rows"],
                         split_reason=data["split_reason"], batch_row_multiple=data["batch_row_multiple"],
                         batch_row_reason=data["batch_row_reason"], others_cpu_share=data.get("others_cpu_share"))
@@ -429,17 +459,21 @@ KERNEL_MATMUL = (256, 4096, 11008)  # prompt rows x inputs x outputs: one gate_p
 
 
 def kernel_table(device: torch.device, dtypes: list[torch.dtype], repeats: int = 5) -> dict:
-    """Per dtype: a matrix-vector product and 8 rows over 32768 x 4096 (GB/s of the weight read), and a
-    256 x 4096 x 11008 matrix product (GFLOP/s)."""
+    """Per dtype (and FBGEMM's float16 kernel where torch has it, "fbgemm-float16": float32 rows, float16 weights):
+    a matrix-vector product and 8 rows over 32768 x 4096 (GB/s of the weight read), and a 256 x 4096 x 11008
+    matrix product (GFLOP/s)."""
     rows_out, width = KERNEL_MATVEC
     t, k, n = KERNEL_MATMUL
+    kernels = [(dtype_name(d), d, "torch", torch.finfo(d).bits // 8) for d in dtypes]
+    if fbgemm_available(device):
+        kernels.append((f"{FBGEMM}-float16", torch.float32, FBGEMM, 2))
     table = {}
-    for dtype in dtypes:
-        size = torch.finfo(dtype).bits // 8
+    for name, dtype, kernel, size in kernels:
         weight_bytes = rows_out * width * size
-        table[dtype_name(dtype)] = {
-            "matvec_gbps": weight_bytes / time_linear(1, rows_out, width, dtype, device, repeats) / 1e9,
-            "rows8_gbps": weight_bytes / time_linear(8, rows_out, width, dtype, device, repeats) / 1e9,
-            "matmul_gflops": 2 * t * k * n / time_linear(t, n, k, dtype, device, max(2, repeats // 2)) / 1e9,
+        table[name] = {
+            "matvec_gbps": weight_bytes / time_linear(1, rows_out, width, dtype, device, repeats, kernel=kernel) / 1e9,
+            "rows8_gbps": weight_bytes / time_linear(8, rows_out, width, dtype, device, repeats, kernel=kernel) / 1e9,
+            "matmul_gflops": 2 * t * k * n / time_linear(t, n, k, dtype, device, max(2, repeats // 2),
+                                                         kernel=kernel) / 1e9,
         }
     return table

@@ -132,7 +132,7 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
     return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
             "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": str(engine.prefill_dtype),
             "decode_dtype": dtype_name(engine.decode_dtype),
-            "batched_decode_dtype": dtype_name(engine.batched_decode_dtype),
+            "batched_decode_dtype": engine.paths.batched_decode.label,
             "paths": engine.describe_paths(), "paths_text": engine.paths.describe(),
             "cuda_graphs": engine.decoder is not None,
             "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length, "batch_size": batch}
@@ -387,7 +387,7 @@ def run_concurrency(config: Config, concurrency: int, max_tokens: int = 64, prog
         batches = [len(step.seq_ids) for step in server.scheduler.timeline if step.phase == "decode"]
     return {"device": str(engine.device), "concurrency": concurrency, "max_tokens": max_tokens,
             "max_num_seqs": config.server.max_num_seqs,
-            "decode_dtype": dtype_name(engine.decode_dtype_for(server.scheduler.batched)),
+            "decode_dtype": (engine.paths.batched_decode if server.scheduler.batched else engine.paths.decode).label,
             "alone_s": alone_s, "concurrent_s": concurrent_s, "ratio": concurrent_s / alone_s,
             "alone": {"ttft_ms": alone.ttft_s * 1e3, "tpot_ms": (alone.tpot_s or 0) * 1e3},
             "requests": [{"ttft_ms": r.ttft_s * 1e3, "tpot_ms": (r.tpot_s or 0) * 1e3, "s": s} for r, s in together],
@@ -492,7 +492,7 @@ def format_table(r: dict) -> str:
                  "+ arithmetic copies)")
     lines.append("kernels (GB/s of the weight read; GFLOP/s):")
     for name, k in r["kernels"].items():
-        lines.append(f"  {name:9s} matrix-vector 32768x4096 {k['matvec_gbps']:6.1f}  8 rows {k['rows8_gbps']:6.1f}  "
+        lines.append(f"  {name:14s} matrix-vector 32768x4096 {k['matvec_gbps']:6.1f}  8 rows {k['rows8_gbps']:6.1f}  "
                      f"256x4096x11008 {k['matmul_gflops']:7.1f}")
     for d in peers:
         lines.append(f"transformers {d}: TTFT {by_dtype[d]['ttft_vs_compute_floor']:.2f} x compute floor, TPOT "
