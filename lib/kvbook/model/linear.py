@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -149,13 +151,19 @@ def split_long_inputs(model: nn.Module, dtype: torch.dtype | None = None) -> Non
 
 
 def pack_model(model: nn.Module, progress: bool = False) -> None:
-    """Pack every Linear's weight for FBGEMM (seconds for the article's model: a bar on stderr with progress)."""
-    from tqdm.auto import tqdm
-
+    """Pack every Linear's weight for FBGEMM, once per model. It takes seconds for the article's model, so with
+    progress it says so on stderr, before and after (two lines, which a notebook keeps in the cell that asked)."""
     unpacked = [module for module in linears(model) if module.packed is None]
-    for module in tqdm(unpacked, desc="kvbook: packing float16 weights for FBGEMM", unit="matrix",
-                       disable=not progress or not unpacked):
+    if not unpacked:
+        return
+    if progress:
+        print(f"kvbook: packing {len(unpacked)} float16 weight matrices for FBGEMM's batched steps "
+              "(once per model) ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    for module in unpacked:
         module.pack()
+    if progress:
+        print(f"kvbook: packed in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
 
 def add_copies(model: nn.Module, dtype: torch.dtype) -> None:
