@@ -39,6 +39,7 @@ SPLIT_WIDTH = 8192  # column blocks of a split matrix are at most this wide
 # grows with more (39 ns at 32768 rows, AMD EPYC Zen 3; BENCHMARKS.md)
 PACK_ROWS = 4096
 FBGEMM = "fbgemm"  # the kernel name kvbook.runtime.paths gives a phase that multiplies packed weights
+FBGEMM_LABEL = "fbgemm-float16"  # how that phase is shown: float32 rows, float16 weights packed for FBGEMM
 
 _state = threading.local()
 
@@ -87,8 +88,7 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         """Keep the weight packed for FBGEMM too: a batched step's float32 rows are then multiplied by it."""
-        if self.packed is None:  # a shared model is packed once
-            self.packed = pack_float16(self.weight)
+        self.packed = pack_float16(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
@@ -140,6 +140,14 @@ def packed_linear(x: torch.Tensor, packed: list) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def product_for(weight: torch.Tensor, kernel: str = "torch"):
+    """x [rows, in] -> x times weight [out, in]: F.linear, or with kernel FBGEMM the weight packed once and x float32
+    (kvbook.runtime.paths times and checks each candidate through this)."""
+    if kernel == FBGEMM:
+        return partial(packed_linear, packed=pack_float16(weight))
+    return partial(F.linear, weight=weight)
+
+
 def linears(model: nn.Module) -> list[Linear]:
     return [module for module in model.modules() if isinstance(module, Linear)]
 
@@ -153,7 +161,7 @@ def split_long_inputs(model: nn.Module, dtype: torch.dtype | None = None) -> Non
 def pack_model(model: nn.Module, progress: bool = False) -> None:
     """Pack every Linear's weight for FBGEMM, once per model. It takes seconds for the article's model, so with
     progress it says so on stderr, before and after (two lines, which a notebook keeps in the cell that asked)."""
-    unpacked = [module for module in linears(model) if module.packed is None]
+    unpacked = [module for module in linears(model) if module.packed is None]  # a shared model is packed once
     if not unpacked:
         return
     if progress:

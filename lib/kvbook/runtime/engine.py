@@ -33,7 +33,7 @@ from ..model.weights import (
 )
 from . import cuda_graph
 from .inputs import prepare_decode
-from .paths import ComputePaths, choose_paths
+from .paths import ComputePaths, PhasePath, choose_paths
 from .scheduler import Scheduler
 from .sequence import Generation, positions_needed
 
@@ -144,11 +144,11 @@ class Engine:
         ids, positions, batch = prepare_decode(tokens, caches, self.device)  # [B, 1], [B]
         invariant = batch_invariant_rows(self.paths.batch_row_multiple) if batched else contextlib.nullcontext()
         with torch.inference_mode(), invariant:
-            return self.model(ids, positions, batch, compute_dtype=self.decode_dtype_for(batched))  # [B, 1, vocab]
+            return self.model(ids, positions, batch, compute_dtype=self.decode_path_for(batched).dtype)  # [B, 1, vocab]
 
-    def decode_dtype_for(self, batched: bool) -> torch.dtype:
-        """The dtype a decode step computes in: a lone sequence's, or that of a scheduler that may batch."""
-        return self.batched_decode_dtype if batched else self.decode_dtype
+    def decode_path_for(self, batched: bool) -> PhasePath:
+        """How a decode step computes: a lone sequence's path, or that of a scheduler that may batch."""
+        return self.paths.batched_decode if batched else self.paths.decode
 
     def recompute(self, tokens: list[int]) -> torch.Tensor:
         """Without a cache: every position so far, computed again -> logits of the last one [1, 1, vocab]."""

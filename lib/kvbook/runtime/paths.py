@@ -29,7 +29,6 @@ import logging
 import os
 import platform
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ from torch.nn import functional as F
 
 from ..config import Config
 from ..device import TORCH_DTYPES, synchronize
-from ..model.linear import FBGEMM, fbgemm_available, pack_float16, packed_linear, padded_rows
+from ..model.linear import FBGEMM, FBGEMM_LABEL, fbgemm_available, padded_rows, product_for
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
@@ -82,7 +81,7 @@ class PhasePath:
     @property
     def label(self) -> str:
         """'float16', 'bfloat16', 'float32' or 'fbgemm-float16' (float32 rows, float16 weights packed for FBGEMM)."""
-        return f"{FBGEMM}-float16" if self.kernel == FBGEMM else dtype_name(self.dtype)
+        return FBGEMM_LABEL if self.kernel == FBGEMM else dtype_name(self.dtype)
 
     def to_json(self) -> dict:
         return {"dtype": dtype_name(self.dtype), "kernel": self.kernel, "label": self.label, "reason": self.reason,
@@ -201,18 +200,15 @@ def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dty
     (dtype is then float32). A warm-up slower than give_up_s is not repeated (a dtype that has already lost)."""
     weight = torch.randn(out_features, in_features, device=device).to(dtype)
     x = torch.randn(rows, in_features, device=device).to(dtype)
-    if kernel == FBGEMM:
-        packed = pack_float16(weight)
-        def run():
-            return packed_linear(x, packed)
-    elif split and in_features > split:
+    if split and in_features > split:
         blocks = [b.contiguous() for b in weight.chunk(-(-in_features // split), dim=1)]
         parts = x.split(blocks[0].shape[1], dim=1)
         def run():
             return sum(F.linear(p, b) for p, b in zip(parts, blocks, strict=True))
     else:
+        product = product_for(weight, kernel)
         def run():
-            return F.linear(x, weight)
+            return product(x)
     return best_seconds(run, device, repeats, give_up_s)
 
 
@@ -301,14 +297,8 @@ def invariant_row_multiple(config: Config, dtype: torch.dtype, device: torch.dev
     m = config.model
     widths = sorted({m.hidden_size, m.num_attention_heads * m.head_dim, m.intermediate_size})
     generator = torch.Generator().manual_seed(0)
-    products = []
-    for width in widths:
-        weight = torch.randn(256, width, generator=generator).to(device, dtype)
-        x = torch.randn(max_rows, width, generator=generator).to(device, dtype)
-        if kernel == FBGEMM:
-            products.append((partial(packed_linear, packed=pack_float16(weight)), x))
-        else:
-            products.append((partial(F.linear, weight=weight), x))
+    products = [(product_for(torch.randn(256, width, generator=generator).to(device, dtype), kernel),
+                 torch.randn(max_rows, width, generator=generator).to(device, dtype)) for width in widths]
 
     for multiple in (1, 2, 4, 8, 16):
         if multiple > max_rows:
@@ -342,7 +332,7 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
     kernels = {dtype_name(d): (d, "torch") for d in candidates(weight_dtype)}  # label -> (dtype, kernel)
     batched_kernels = dict(kernels)
     if weight_dtype == torch.float16 and fbgemm_available(device):  # FBGEMM holds float16 values exactly
-        batched_kernels[f"{FBGEMM}-float16"] = (torch.float32, FBGEMM)
+        batched_kernels[FBGEMM_LABEL] = (torch.float32, FBGEMM)
     prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
     batch_rows = _batch_rows(config)
     phases = {
@@ -466,7 +456,7 @@ def kernel_table(device: torch.device, dtypes: list[torch.dtype], repeats: int =
     t, k, n = KERNEL_MATMUL
     kernels = [(dtype_name(d), d, "torch", torch.finfo(d).bits // 8) for d in dtypes]
     if fbgemm_available(device):
-        kernels.append((f"{FBGEMM}-float16", torch.float32, FBGEMM, 2))
+        kernels.append((FBGEMM_LABEL, torch.float32, FBGEMM, 2))
     table = {}
     for name, dtype, kernel, size in kernels:
         weight_bytes = rows_out * width * size

@@ -387,7 +387,7 @@ def run_concurrency(config: Config, concurrency: int, max_tokens: int = 64, prog
         batches = [len(step.seq_ids) for step in server.scheduler.timeline if step.phase == "decode"]
     return {"device": str(engine.device), "concurrency": concurrency, "max_tokens": max_tokens,
             "max_num_seqs": config.server.max_num_seqs,
-            "decode_dtype": (engine.paths.batched_decode if server.scheduler.batched else engine.paths.decode).label,
+            "decode_dtype": engine.decode_path_for(server.scheduler.batched).label,
             "alone_s": alone_s, "concurrent_s": concurrent_s, "ratio": concurrent_s / alone_s,
             "alone": {"ttft_ms": alone.ttft_s * 1e3, "tpot_ms": (alone.tpot_s or 0) * 1e3},
             "requests": [{"ttft_ms": r.ttft_s * 1e3, "tpot_ms": (r.tpot_s or 0) * 1e3, "s": s} for r, s in together],
