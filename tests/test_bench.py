@@ -48,7 +48,7 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
     assert ratios["tpot_vs_best_transformers"] == round(out["tpot_ms"] / best["tpot_ms"], 3)
     assert ratios["ttft_vs_compute_floor"] == round(out["ttft_ms"] / out["compute_floor_ms"], 3)
     assert ratios["kv_cache_bytes_exact"] is True
-    assert out["paths"]["decode"]["dtype"] == out["decode_dtype"] and len(out["paths_text"]) == 5
+    assert out["paths"]["decode"]["label"] == out["decode_dtype"] and len(out["paths_text"]) == 5
     assert "kvbook bench: [1/" in result.stderr  # progress lines
 
 

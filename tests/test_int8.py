@@ -101,6 +101,9 @@ def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cach
     # what the model keeps: also each int8 layer's floating prefill copy, if it has one (the bench's RSS ratio)
     copies = sum(copy.nbytes for m in int8 for copy in m.copies.values())
     assert weight_bytes_kept(model) == matrices + floating + copies
+    # and the engine says that its decode steps, alone or batched, read the int8 matrices
+    for phase in (engine.paths.decode, engine.paths.batched_decode):
+        assert phase.label == "int8" and phase.reason.startswith('[inference] weight_dtype = "int8": bfloat16 rows')
 
 
 def test_int8_matrices_are_cached_beside_the_random_weights(weight_cache):

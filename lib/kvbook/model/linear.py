@@ -130,7 +130,12 @@ def fbgemm_available(device: torch.device) -> bool:
 def pack_float16(weight: torch.Tensor) -> list:
     """weight [out, in] -> FBGEMM's packed float16 matrices of at most PACK_ROWS rows each (the values are the
     weight's, rounded to float16 if they were not already)."""
-    return [torch.ops.quantized.linear_prepack_fp16(block.float(), None) for block in weight.split(PACK_ROWS)]
+    return [pack_block(block) for block in weight.split(PACK_ROWS)]
+
+
+def pack_block(block: torch.Tensor) -> torch.Tensor:
+    """One block of at most PACK_ROWS rows [rows, in] -> FBGEMM's packed float16 matrix."""
+    return torch.ops.quantized.linear_prepack_fp16(block.float(), None)
 
 
 def packed_linear(x: torch.Tensor, packed: list) -> torch.Tensor:
@@ -168,8 +173,13 @@ def pack_model(model: nn.Module, progress: bool = False) -> None:
         print(f"kvbook: packing {len(unpacked)} float16 weight matrices for FBGEMM's batched steps "
               "(once per model) ...", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    for module in unpacked:
-        module.pack()
+    # FBGEMM packs one block on one CPU and torch releases the GIL meanwhile: every block of every matrix is
+    # handed to a pool, so that the CPUs pack at once (a matrix of one block, q_proj, would otherwise wait alone)
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        packing = [(module, [pool.submit(pack_block, block) for block in module.weight.split(PACK_ROWS)])
+                   for module in unpacked]
+        for module, blocks in packing:
+            module.packed = [block.result() for block in blocks]
     if progress:
         print(f"kvbook: packed in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 

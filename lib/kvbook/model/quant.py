@@ -34,6 +34,7 @@ from ..config import QuantizationError
 from .linear import Linear
 
 INT8_MAX = 127
+INT8 = "int8"  # the kernel name kvbook.runtime.paths gives a decode phase that reads these int8 matrices
 # a decode step of up to this many sequences reads the int8 weights; more rows (prefill) use the floating path
 DECODE_ROWS = 16
 # rows quantized at a time: bounds the float32 temporary (rows x in_features x 4 bytes)

@@ -33,7 +33,7 @@ from ..model.weights import (
 )
 from . import cuda_graph
 from .inputs import prepare_decode
-from .paths import ComputePaths, PhasePath, choose_paths
+from .paths import ComputePaths, PhasePath, choose_paths, int8_decode_paths
 from .scheduler import Scheduler
 from .sequence import Generation, positions_needed
 
@@ -69,6 +69,7 @@ class Engine:
         kv_quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
         if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.model.quant)
             quant.quantize_model(model, self.device, self.dtype, drawn_from=config.model if drawn else None)
+            self.paths = int8_decode_paths(self.paths, quant.activation_dtype(self.device, self.dtype))
         else:
             add_copies(model, self.decode_dtype)  # every matrix, lm_head too
             model.lm_head.row_dtype = self.decode_dtype  # prefill's last position is one row too

@@ -37,6 +37,7 @@ from torch.nn import functional as F
 from ..config import Config
 from ..device import TORCH_DTYPES, synchronize
 from ..model.linear import FBGEMM, FBGEMM_LABEL, fbgemm_available, padded_rows, product_for
+from ..model.quant import INT8
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
@@ -70,8 +71,9 @@ def candidates(weight_dtype: torch.dtype) -> list[torch.dtype]:
 @dataclasses.dataclass(frozen=True)
 class PhasePath:
     """One phase's arithmetic: its dtype (the activations'), its kernel ("torch": F.linear on the weights or their
-    copy in dtype; "fbgemm": float32 rows times the float16 weights packed for FBGEMM), why, and the estimate per
-    candidate that decided it."""
+    copy in dtype; "fbgemm": float32 rows times the float16 weights packed for FBGEMM; "int8": the int8 matrices of
+    kvbook.model.quant, dtype being that of the rest of the step), why, and the estimate per candidate that decided
+    it."""
 
     dtype: torch.dtype
     reason: str
@@ -80,8 +82,9 @@ class PhasePath:
 
     @property
     def label(self) -> str:
-        """'float16', 'bfloat16', 'float32' or 'fbgemm-float16' (float32 rows, float16 weights packed for FBGEMM)."""
-        return FBGEMM_LABEL if self.kernel == FBGEMM else dtype_name(self.dtype)
+        """'float16', 'bfloat16', 'float32', 'fbgemm-float16' (float32 rows, float16 weights packed for FBGEMM) or
+        'int8' (int8 weights, kvbook.model.quant)."""
+        return {FBGEMM: FBGEMM_LABEL, INT8: INT8}.get(self.kernel, dtype_name(self.dtype))
 
     def to_json(self) -> dict:
         return {"dtype": dtype_name(self.dtype), "kernel": self.kernel, "label": self.label, "reason": self.reason,
@@ -127,6 +130,16 @@ def fixed_paths(prefill: torch.dtype, decode: torch.dtype, batched: torch.dtype,
     return ComputePaths(PhasePath(prefill, reason), PhasePath(decode, reason),
                         PhasePath(batched, reason, kernel=batched_kernel), "fixed",
                         batch_row_multiple=batch_row_multiple, batch_row_reason=reason)
+
+
+def int8_decode_paths(paths: ComputePaths, activation_dtype: torch.dtype) -> ComputePaths:
+    """An int8 model's decode steps, alone or batched, read its int8 matrices (kvbook.model.quant) whatever was
+    measured for floating weights; each phase keeps its dtype for the rest of the step (norms, attention)."""
+    def int8(path: PhasePath) -> PhasePath:
+        return PhasePath(path.dtype, f"[inference] weight_dtype = \"int8\": {dtype_name(activation_dtype)} rows "
+                                     f"through torch's int8 weight-only kernel, the rest of the step in "
+                                     f"{dtype_name(path.dtype)}", kernel=INT8)
+    return dataclasses.replace(paths, decode=int8(paths.decode), batched_decode=int8(paths.batched_decode))
 
 
 # ---- what the machine is -----------------------------------------------------------------------------------
@@ -193,20 +206,54 @@ def paths_cache_dir() -> Path:
 
 # ---- measuring ---------------------------------------------------------------------------------------------
 
+class TimingWeights:
+    """Random weights to time products on, made once per measurement: one float32 draw per input width (a matrix of
+    fewer rows is a slice of it), and each dtype's copy, or FBGEMM's packing, once per shape. Drawing and packing
+    8192 x 11008 weights takes seconds on a slow CPU, and every candidate is timed more than once."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._drawn: dict[int, torch.Tensor] = {}  # input width -> float32 [rows, width]
+        self._weights: dict[tuple, torch.Tensor] = {}
+        self._products: dict[tuple, object] = {}
+
+    def weight(self, out_features: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+        """A random [out, in] matrix in dtype (N(0, 1) values, the same for every dtype)."""
+        key = (out_features, in_features, dtype)
+        if key not in self._weights:
+            drawn = self._drawn.get(in_features)
+            if drawn is None or drawn.shape[0] < out_features:
+                generator = torch.Generator(self.device).manual_seed(in_features)
+                drawn = torch.randn(out_features, in_features, device=self.device, generator=generator)
+                self._drawn[in_features] = drawn
+            self._weights[key] = drawn[:out_features].to(dtype)
+        return self._weights[key]
+
+    def product(self, out_features: int, in_features: int, dtype: torch.dtype, kernel: str = "torch"):
+        """x [rows, in] -> x times weight(out, in, dtype) through kernel (kvbook.model.linear.product_for)."""
+        key = (out_features, in_features, dtype, kernel)
+        if key not in self._products:
+            self._products[key] = product_for(self.weight(out_features, in_features, dtype), kernel)
+        return self._products[key]
+
+
 def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
-                repeats: int = 5, split: int = 0, give_up_s: float = float("inf"), kernel: str = "torch") -> float:
+                repeats: int = 5, split: int = 0, give_up_s: float = float("inf"), kernel: str = "torch",
+                weights: TimingWeights | None = None) -> float:
     """Best seconds of F.linear([rows, in], [out, in]) in dtype; split > 0: the weight as column blocks of at
     most `split` inputs, summed (kvbook.model.linear); kernel FBGEMM: float32 rows times the float16 weight packed
-    (dtype is then float32). A warm-up slower than give_up_s is not repeated (a dtype that has already lost)."""
-    weight = torch.randn(out_features, in_features, device=device).to(dtype)
+    (dtype is then float32). A warm-up slower than give_up_s is not repeated (a dtype that has already lost).
+    weights: the measurement's random weights, reused between calls (else drawn for this one)."""
+    weights = weights or TimingWeights(device)
     x = torch.randn(rows, in_features, device=device).to(dtype)
     if split and in_features > split:
+        weight = weights.weight(out_features, in_features, dtype)
         blocks = [b.contiguous() for b in weight.chunk(-(-in_features // split), dim=1)]
         parts = x.split(blocks[0].shape[1], dim=1)
         def run():
             return sum(F.linear(p, b) for p, b in zip(parts, blocks, strict=True))
     else:
-        product = product_for(weight, kernel)
+        product = weights.product(out_features, in_features, dtype, kernel)
         def run():
             return product(x)
     return best_seconds(run, device, repeats, give_up_s)
@@ -253,18 +300,19 @@ def matrix_groups(config: Config, lm_head: bool) -> list[tuple[tuple[int, int], 
 
 
 def estimate_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device, lm_head: bool,
-                repeats: int = 3, kernel: str = "torch") -> float:
+                repeats: int = 3, kernel: str = "torch", weights: TimingWeights | None = None) -> float:
     """Milliseconds of every layer matrix (and lm_head) multiplied by `rows` rows, from one timed matrix per
     input width (as many output rows as the model has at that width, at most TIMED_ROWS_MAX)."""
     total = 0.0
     for (_, width), params in matrix_groups(config, lm_head):
         out = max(1, min(params // width, TIMED_ROWS_MAX))
-        total += time_linear(rows, out, width, dtype, device, repeats, kernel=kernel) * params / (out * width)
+        total += time_linear(rows, out, width, dtype, device, repeats, kernel=kernel, weights=weights) * params / (
+            out * width)
     return total * 1e3
 
 
 def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device,
-                        best_ms: float = float("inf")) -> float:
+                        best_ms: float = float("inf"), weights: TimingWeights | None = None) -> float:
     """Prefill's layer matrices for `rows` prompt rows, from one timed gate_proj (the products are limited by
     arithmetic, whose rate hardly depends on the matrix's width). best_ms: the best estimate so far; a dtype
     whose first product already takes 3 times as long is not timed again."""
@@ -272,11 +320,13 @@ def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: t
     params = sum(params for _, params in matrix_groups(config, lm_head=False))
     out = max(1, min(params // m.hidden_size, m.intermediate_size))
     scale = params / (out * m.hidden_size)
-    seconds = time_linear(rows, out, m.hidden_size, dtype, device, repeats=2, give_up_s=3 * best_ms / 1e3 / scale)
+    seconds = time_linear(rows, out, m.hidden_size, dtype, device, repeats=2, give_up_s=3 * best_ms / 1e3 / scale,
+                          weights=weights)
     return seconds * scale * 1e3
 
 
-def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device) -> tuple[float, float] | None:
+def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device,
+                   weights: TimingWeights | None = None) -> tuple[float, float] | None:
     """One row through down_proj's shape, as one matrix and as column blocks (kvbook.model.linear.SPLIT_WIDTH wide):
     (plain ms, split ms), or None when no matrix is that wide."""
     from ..model.linear import SPLIT_WIDTH
@@ -284,8 +334,8 @@ def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device) -> 
     m = config.model
     if m.intermediate_size <= SPLIT_WIDTH:
         return None
-    plain = time_linear(1, m.hidden_size, m.intermediate_size, dtype, device)
-    split = time_linear(1, m.hidden_size, m.intermediate_size, dtype, device, split=SPLIT_WIDTH)
+    plain = time_linear(1, m.hidden_size, m.intermediate_size, dtype, device, weights=weights)
+    split = time_linear(1, m.hidden_size, m.intermediate_size, dtype, device, split=SPLIT_WIDTH, weights=weights)
     return plain * 1e3, split * 1e3
 
 
@@ -335,14 +385,16 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
         batched_kernels[FBGEMM_LABEL] = (torch.float32, FBGEMM)
     prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
     batch_rows = _batch_rows(config)
+    timing = TimingWeights(device)
     phases = {
         "prefill": (f"{prefill_rows} prompt rows through the layers", kernels,
-                    lambda dtype, kernel, best: estimate_prefill_ms(config, prefill_rows, dtype, device, best)),
+                    lambda dtype, kernel, best: estimate_prefill_ms(config, prefill_rows, dtype, device, best,
+                                                                    weights=timing)),
         "decode": ("one row through the layers and lm_head", kernels,
-                   lambda dtype, kernel, best: estimate_ms(config, 1, dtype, device, lm_head=True)),
+                   lambda dtype, kernel, best: estimate_ms(config, 1, dtype, device, lm_head=True, weights=timing)),
         "batched_decode": (f"{batch_rows} rows through the layers and lm_head", batched_kernels,
                            lambda dtype, kernel, best: estimate_ms(config, batch_rows, dtype, device, lm_head=True,
-                                                                   kernel=kernel)),
+                                                                   kernel=kernel, weights=timing)),
     }
     weights = dtype_name(weight_dtype)
     chosen = {}
@@ -359,7 +411,7 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
         dtype, kernel = options[best]
         chosen[phase] = PhasePath(dtype, f"measured, {what}: {_summary(estimates)}{note}",
                                   {k: round(v, 3) for k, v in estimates.items()}, kernel)
-    wide = time_wide_rows(config, chosen["decode"].dtype, device)
+    wide = time_wide_rows(config, chosen["decode"].dtype, device, timing)
     split, split_reason = False, "no matrix is wider than the split width"
     if wide is not None:
         split = wide[1] < wide[0]
@@ -451,19 +503,20 @@ KERNEL_MATMUL = (256, 4096, 11008)  # prompt rows x inputs x outputs: one gate_p
 def kernel_table(device: torch.device, dtypes: list[torch.dtype], repeats: int = 5) -> dict:
     """Per dtype (and FBGEMM's float16 kernel where torch has it, "fbgemm-float16": float32 rows, float16 weights):
     a matrix-vector product and 8 rows over 32768 x 4096 (GB/s of the weight read), and a 256 x 4096 x 11008
-    matrix product (GFLOP/s)."""
+    matrix product (GFLOP/s). One random draw serves every kernel (TimingWeights)."""
     rows_out, width = KERNEL_MATVEC
     t, k, n = KERNEL_MATMUL
+    weights = TimingWeights(device)
+    weights.weight(max(rows_out, n), width, torch.float32)  # the larger draw first: the product's is its slice
     kernels = [(dtype_name(d), d, "torch", torch.finfo(d).bits // 8) for d in dtypes]
     if fbgemm_available(device):
         kernels.append((FBGEMM_LABEL, torch.float32, FBGEMM, 2))
     table = {}
     for name, dtype, kernel, size in kernels:
         weight_bytes = rows_out * width * size
-        table[name] = {
-            "matvec_gbps": weight_bytes / time_linear(1, rows_out, width, dtype, device, repeats, kernel=kernel) / 1e9,
-            "rows8_gbps": weight_bytes / time_linear(8, rows_out, width, dtype, device, repeats, kernel=kernel) / 1e9,
-            "matmul_gflops": 2 * t * k * n / time_linear(t, n, k, dtype, device, max(2, repeats // 2),
-                                                         kernel=kernel) / 1e9,
-        }
+        matvec = [time_linear(rows, rows_out, width, dtype, device, repeats, kernel=kernel, weights=weights)
+                  for rows in (1, 8)]
+        matmul = time_linear(t, n, k, dtype, device, max(2, repeats // 2), kernel=kernel, weights=weights)
+        table[name] = {"matvec_gbps": weight_bytes / matvec[0] / 1e9, "rows8_gbps": weight_bytes / matvec[1] / 1e9,
+                       "matmul_gflops": 2 * t * k * n / matmul / 1e9}
     return table

@@ -131,7 +131,7 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
     engine.prefill(cache, prompt)  # one prefill more, to weigh the cache it fills
     return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
             "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": str(engine.prefill_dtype),
-            "decode_dtype": dtype_name(engine.decode_dtype),
+            "decode_dtype": engine.paths.decode.label,
             "batched_decode_dtype": engine.paths.batched_decode.label,
             "paths": engine.describe_paths(), "paths_text": engine.paths.describe(),
             "cuda_graphs": engine.decoder is not None,
