@@ -54,6 +54,17 @@ def test_per_channel_quantization_rounds_each_row_to_its_own_scale():
     assert float(scale[5]) > 10 * float(scale[4])
 
 
+def test_quantizing_in_chunks_gives_the_whole_matrix_result(monkeypatch):
+    weight = torch.randn(96, 64) * 0.02
+    whole = quant.quantize_per_channel(weight, torch.bfloat16)
+    monkeypatch.setattr(quant, "QUANTIZE_CHUNK_WEIGHTS", 5 * 64 + 10)  # chunks of 5 rows, the last one of 1
+    chunked = quant.quantize_per_channel(weight, torch.bfloat16)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+    weight[93, 2] = float("nan")  # in the 19th chunk: the row named is the matrix's, not the chunk's
+    with pytest.raises(ConfigError, match=r"holds inf or NaN \(row 93\)"):
+        quant.quantize_per_channel(weight, torch.bfloat16)
+
+
 @pytest.mark.parametrize("rows", [1, 3, quant.DECODE_ROWS])
 def test_int8_linear_equals_a_dequantized_matrix_product(rows):
     torch.manual_seed(0)

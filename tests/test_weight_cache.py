@@ -3,9 +3,12 @@ must belong to the call that asked (in a notebook: the cell that created the Eng
 the background write finishes."""
 
 import logging
+import threading
 
+import pytest
 import torch
-from kvbook.model.weights import load_random_weights, random_weights_path, wait_for_saves
+from kvbook.model.weights import load_random_weights, random_weights_path, saves_held, wait_for_saves
+from kvbook.runtime.engine import Engine
 
 from .conftest import small_config
 
@@ -34,3 +37,31 @@ def test_a_write_that_fails_is_a_logged_warning_and_leaves_no_partial_file(weigh
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "could not cache weights" in caplog.records[0].getMessage()
     assert capfd.readouterr().err == ""  # no thread traceback
+
+
+def _saving() -> list[str]:
+    return [thread.name for thread in threading.enumerate() if thread.name.startswith("save ")]
+
+
+def test_writes_asked_for_while_an_engine_builds_start_once_the_model_is_whole(weight_cache, monkeypatch):
+    cfg = small_config().model
+    path = random_weights_path(cfg, torch.float32)
+    with saves_held():
+        load_random_weights(cfg, torch.float32, progress=False)
+        with saves_held():  # nested: the outer block starts the writes
+            pass
+        assert _saving() == [] and not path.exists()  # asked for, not started: the CPUs keep building
+    wait_for_saves()
+    assert path.exists()
+
+    class Failed(Exception):
+        pass
+
+    def fail(*args, **kwargs):
+        raise Failed
+
+    monkeypatch.setattr("kvbook.runtime.engine.quant.quantize_model", fail)
+    with pytest.raises(Failed):  # an engine that fails after drawing still caches what it drew
+        Engine(small_config(layers=1).replace(inference={"weight_dtype": "int8"}), progress=False)
+    wait_for_saves()
+    assert random_weights_path(small_config(layers=1).model, torch.float32).exists()

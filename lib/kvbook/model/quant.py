@@ -37,8 +37,9 @@ INT8_MAX = 127
 INT8 = "int8"  # the kernel name kvbook.runtime.paths gives a decode phase that reads these int8 matrices
 # a decode step of up to this many sequences reads the int8 weights; more rows (prefill) use the floating path
 DECODE_ROWS = 16
-# rows quantized at a time: bounds the float32 temporary (rows x in_features x 4 bytes)
-QUANTIZE_CHUNK_ROWS = 4096
+# weights quantized at a time: the float32 temporaries of a chunk (4 MiB) stay in a CPU's cache between the
+# passes over it (BENCHMARKS.md, "Eighth session")
+QUANTIZE_CHUNK_WEIGHTS = 2**20
 
 
 def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -58,17 +59,20 @@ def quantize_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype,
                                 "weight_dtype = \"auto\" for this checkpoint")
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(weight.shape[0], dtype=scale_dtype, device=weight.device)
-    for start in range(0, weight.shape[0], QUANTIZE_CHUNK_ROWS):
-        rows = weight[start:start + QUANTIZE_CHUNK_ROWS].float()  # [chunk, in]
-        amax = rows.abs().amax(dim=1)  # [chunk]
+    chunk = max(1, QUANTIZE_CHUNK_WEIGHTS // weight.shape[1])
+    # one float32 buffer for every chunk: a fresh one per chunk cost more than the arithmetic (page faults)
+    buffer = torch.empty(min(chunk, weight.shape[0]), weight.shape[1], device=weight.device)  # [chunk, in]
+    for start in range(0, weight.shape[0], chunk):
+        block = weight[start:start + chunk]
+        rows = buffer[:block.shape[0]].copy_(block)  # [chunk, in] float32
+        amax = torch.maximum(rows.amax(dim=1), -rows.amin(dim=1))  # [chunk]: max |row|, NaN if the row has one
         if not torch.isfinite(amax).all():
             raise QuantizationError(f"[inference] weight_dtype = \"int8\": {name} holds inf or NaN (row "
                                     f"{start + int((~torch.isfinite(amax)).nonzero()[0])}), which no scale "
                                     "represents; use weight_dtype = \"auto\" for this checkpoint")
         # an all-zero row gets the smallest scale: its q is 0 and dequantizes to 0
         row_scale = (amax / INT8_MAX).to(scale_dtype).clamp(min=torch.finfo(scale_dtype).tiny)
-        q[start:start + rows.shape[0]] = (rows / row_scale.float()[:, None]).round_().clamp_(
-            -INT8_MAX, INT8_MAX).to(torch.int8)
+        q[start:start + rows.shape[0]].copy_(rows.div_(row_scale.float()[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX))
         scale[start:start + rows.shape[0]] = row_scale
     return q, scale
 

@@ -135,14 +135,38 @@ def _save_atomically(tensors: dict[str, torch.Tensor], path: Path) -> None:
     log.info("kvbook: cached weights in %s", path)
 
 
+_held_saves: list[threading.Thread] | None = None  # saves asked for inside saves_held(), not started yet
+
+
 def _save_in_background(tensors: dict[str, torch.Tensor], path: Path, progress: bool) -> None:
     """The model is usable while its weights are written; the process waits for the write before it exits.
     The caller's thread says so now, so the message belongs to the call (or notebook cell) that asked."""
     if progress:
         print(f"kvbook: caching the weights in {path} (written in the background)", file=sys.stderr, flush=True)
     thread = threading.Thread(target=_save_atomically, args=(tensors, path), name=f"save {path.name}")
-    thread.start()
     _pending_saves.append(thread)
+    if _held_saves is None:
+        thread.start()
+    else:
+        _held_saves.append(thread)
+
+
+@contextlib.contextmanager
+def saves_held():
+    """Writes asked for inside the block start when it ends (also on an error): kvbook.runtime.engine builds its
+    whole model first, as writing gigabytes on the same CPUs slowed quantizing lm_head and the layers to int8
+    1.4-2x (BENCHMARKS.md, "Eighth session")."""
+    global _held_saves
+    if _held_saves is not None:  # nested: the outer block starts them
+        yield
+        return
+    _held_saves = []
+    try:
+        yield
+    finally:
+        held, _held_saves = _held_saves, None
+        for thread in held:
+            thread.start()
 
 
 def wait_for_saves() -> None:

@@ -30,6 +30,7 @@ from ..model.weights import (
     load_checkpoint,
     load_random_weights,
     prefill_copies,
+    saves_held,
 )
 from . import cuda_graph
 from .inputs import prepare_decode
@@ -57,24 +58,25 @@ class Engine:
         self.batched_ready = False  # prepare_batched_decode has run
         separate_prefill = self.prefill_dtype != self.dtype
         drawn = model is None  # random weights, from the weight cache (kvbook.model.weights)
-        if model is None:
-            weights, prefill = load_random_weights(config.model, self.dtype,
-                                                   self.prefill_dtype if separate_prefill else None, progress)
-            model = build_model(config.model, weights, self.device)
-            if separate_prefill:
-                attach_prefill_weights(model, prefill)
-        elif separate_prefill and not has_prefill_weights(model, self.prefill_dtype):  # a model of another Engine
-            attach_prefill_weights(model, prefill_copies(config.model, dict(model.named_parameters()),
-                                                         self.prefill_dtype))
-        kv_quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
-        if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.model.quant)
-            quant.quantize_model(model, self.device, self.dtype, drawn_from=config.model if drawn else None)
-            self.paths = int8_decode_paths(self.paths, quant.activation_dtype(self.device, self.dtype))
-        else:
-            add_copies(model, self.decode_dtype)  # every matrix, lm_head too
-            model.lm_head.row_dtype = self.decode_dtype  # prefill's last position is one row too
-            if self.paths.split_wide_rows:
-                split_long_inputs(model, self.decode_dtype)
+        with saves_held():  # the weight cache is written once the model is whole, int8 matrices too
+            if model is None:
+                weights, prefill = load_random_weights(config.model, self.dtype,
+                                                       self.prefill_dtype if separate_prefill else None, progress)
+                model = build_model(config.model, weights, self.device)
+                if separate_prefill:
+                    attach_prefill_weights(model, prefill)
+            elif separate_prefill and not has_prefill_weights(model, self.prefill_dtype):  # a model of another Engine
+                attach_prefill_weights(model, prefill_copies(config.model, dict(model.named_parameters()),
+                                                             self.prefill_dtype))
+            kv_quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
+            if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.model.quant)
+                quant.quantize_model(model, self.device, self.dtype, drawn_from=config.model if drawn else None)
+                self.paths = int8_decode_paths(self.paths, quant.activation_dtype(self.device, self.dtype))
+            else:
+                add_copies(model, self.decode_dtype)  # every matrix, lm_head too
+                model.lm_head.row_dtype = self.decode_dtype  # prefill's last position is one row too
+                if self.paths.split_wide_rows:
+                    split_long_inputs(model, self.decode_dtype)
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config
