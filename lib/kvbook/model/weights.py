@@ -154,8 +154,8 @@ def _save_in_background(tensors: dict[str, torch.Tensor], path: Path, progress: 
 @contextlib.contextmanager
 def saves_held():
     """Writes asked for inside the block start when it ends (also on an error): kvbook.runtime.engine builds its
-    whole model first, as writing gigabytes on the same CPUs slowed quantizing lm_head and the layers to int8
-    1.4-2x (BENCHMARKS.md, "Eighth session")."""
+    whole model first: writing gigabytes on the same CPUs made quantizing the matrices to int8 over 2x slower
+    (BENCHMARKS.md, "Eighth session")."""
     global _held_saves
     if _held_saves is not None:  # nested: the outer block starts them
         yield
