@@ -63,8 +63,8 @@ def quantize_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype,
     # one float32 buffer for every chunk: fresh temporaries per chunk took 2-3x the time of the arithmetic
     buffer = torch.empty(min(chunk, weight.shape[0]), weight.shape[1], device=weight.device)  # [chunk, in]
     for start in range(0, weight.shape[0], chunk):
-        block = weight[start:start + chunk]
-        rows = buffer[:block.shape[0]].copy_(block)  # [chunk, in] float32
+        stop = min(start + chunk, weight.shape[0])
+        rows = buffer[:stop - start].copy_(weight[start:stop])  # [chunk, in] float32
         amax = torch.maximum(rows.amax(dim=1), -rows.amin(dim=1))  # [chunk]: max |row|, NaN if the row has one
         if not torch.isfinite(amax).all():
             raise QuantizationError(f"[inference] weight_dtype = \"int8\": {name} holds inf or NaN (row "
@@ -72,8 +72,8 @@ def quantize_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype,
                                     "represents; use weight_dtype = \"auto\" for this checkpoint")
         # an all-zero row gets the smallest scale: its q is 0 and dequantizes to 0
         row_scale = (amax / INT8_MAX).to(scale_dtype).clamp(min=torch.finfo(scale_dtype).tiny)
-        q[start:start + rows.shape[0]].copy_(rows.div_(row_scale.float()[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX))
-        scale[start:start + rows.shape[0]] = row_scale
+        q[start:stop].copy_(rows.div_(row_scale.float()[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX))
+        scale[start:stop] = row_scale
     return q, scale
 
 

@@ -233,7 +233,8 @@ def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, prefill_dtype: tor
     prefill = None
     if prefill_path is not None:
         prefill = load_file(str(prefill_path)) if prefill_path.exists() else prefill_copies(cfg, weights, prefill_dtype)
-    # written only once everything is in memory, so the writes do not slow the drawing down
+    # written only once everything is in memory, so the writes do not slow the drawing down (an Engine holds them
+    # longer, until its whole model is built: saves_held)
     if not path.exists():
         _save_in_background(weights, path, progress)
     if prefill_path is not None and not prefill_path.exists():
