@@ -144,11 +144,15 @@ def _save_in_background(tensors: dict[str, torch.Tensor], path: Path, progress: 
     if progress:
         print(f"kvbook: caching the weights in {path} (written in the background)", file=sys.stderr, flush=True)
     thread = threading.Thread(target=_save_atomically, args=(tensors, path), name=f"save {path.name}")
-    _pending_saves.append(thread)
     if _held_saves is None:
-        thread.start()
+        _start_save(thread)
     else:
         _held_saves.append(thread)
+
+
+def _start_save(thread: threading.Thread) -> None:
+    _pending_saves.append(thread)  # only started writes: wait_for_saves joins these
+    thread.start()
 
 
 @contextlib.contextmanager
@@ -166,11 +170,12 @@ def saves_held():
     finally:
         held, _held_saves = _held_saves, None
         for thread in held:
-            thread.start()
+            _start_save(thread)
 
 
 def wait_for_saves() -> None:
-    """Block until every weight file started by this process is written (tests, benchmarks)."""
+    """Block until every weight file started by this process is written (tests, benchmarks); inside a
+    saves_held() block the writes it holds have not started, so they are not waited for."""
     while _pending_saves:
         _pending_saves.pop().join()
 
