@@ -140,3 +140,21 @@ def test_concurrency_must_be_positive():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "kvbook: error: --concurrency and --max-tokens must be >= 1"]
+
+
+def test_peak_compute_times_the_arithmetic_of_the_phase_it_is_given(weight_cache, monkeypatch):
+    import kvbook.tools.roofline as roofline_module
+    from kvbook.model.linear import FBGEMM
+    from kvbook.runtime.engine import Engine
+    from kvbook.runtime.paths import PhasePath
+
+    from .conftest import small_config
+
+    engine = Engine(small_config(layers=1), progress=False)
+    timed = []
+    monkeypatch.setattr(roofline_module, "time_linear",
+                        lambda rows, out, inp, dtype, device, repeats, kernel: timed.append((dtype, kernel)) or 1.0)
+    assert roofline_module.peak_compute_gflops(engine) == 2 * 256 * 4096 * 11008 / 1e9  # 1 s: GFLOP count
+    assert timed == [(engine.paths.prefill.dtype, engine.paths.prefill.kernel)]  # prefill's by default
+    roofline_module.peak_compute_gflops(engine, path=PhasePath(torch.float32, "a batched step's", kernel=FBGEMM))
+    assert timed[-1] == (torch.float32, FBGEMM)

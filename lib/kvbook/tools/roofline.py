@@ -17,6 +17,7 @@ import torch
 from ..config import Config, ModelConfig
 from ..device import synchronize
 from ..runtime.engine import Engine
+from ..runtime.paths import PhasePath, time_linear
 from ..tokenizer import build_prompt_ids
 
 TIMED = ("input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "rope", "o_proj",
@@ -125,18 +126,13 @@ def _measured_ms(timer: ModuleTimer, row: dict) -> float:
     raise KeyError(row["op"])
 
 
-def peak_compute_gflops(engine: Engine, repeats: int = 5) -> float:
-    """Best FLOP/s of a large matrix product in prefill's dtype on the engine's device."""
-    a = torch.randn(256, 4096, dtype=engine.prefill_dtype, device=engine.device)
-    b = torch.randn(11008, 4096, dtype=engine.prefill_dtype, device=engine.device)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        synchronize(engine.device)
-        started = time.perf_counter()
-        torch.nn.functional.linear(a, b)
-        synchronize(engine.device)
-        best = min(best, time.perf_counter() - started)
-    return 2 * 256 * 4096 * 11008 / best / 1e9
+def peak_compute_gflops(engine: Engine, repeats: int = 5, path: PhasePath | None = None) -> float:
+    """Best FLOP/s of a 256 x 4096 x 11008 matrix product (one gate_proj of prefill) on the engine's device, in the
+    arithmetic of one of its phases: prefill's by default; a batched decode step's may be FBGEMM's kernel
+    (chapter 11 takes the best of the two)."""
+    path = path or engine.paths.prefill
+    seconds = time_linear(256, 11008, 4096, path.dtype, engine.device, repeats, kernel=path.kernel)
+    return 2 * 256 * 4096 * 11008 / seconds / 1e9
 
 
 @torch.inference_mode()
