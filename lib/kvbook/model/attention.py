@@ -71,8 +71,8 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, mask):
         """q [B, H, T, D], k and v [B, KV, S, D] -> [B, H, T, D]."""
         # The attention products run in float32, whatever the cache holds: softmax is float32 in transformers
-        # too, and on a CPU without float16 arithmetic this is both faster and more exact (the appendix, "Making
-        # it fast on a CPU").
+        # too, and the scores keep float32's rounding. The price is bytes: the cache is converted on every step
+        # (the appendix, "Making it fast on a CPU"; chapter 11 measures the growth with the context).
         k = repeat_kv(k, self.num_heads // self.num_kv_heads).float()  # [B, H, S, D]
         v = repeat_kv(v, self.num_heads // self.num_kv_heads).float()
         scores = torch.matmul(q.float(), k.transpose(2, 3)) * self.scaling  # [B, H, T, S]

@@ -16,7 +16,7 @@ SPLIT_WIDTH inputs, on some CPUs; kvbook.runtime.paths measures whether (`split_
 A batched decode step may instead multiply float32 rows by the float16 weight packed for FBGEMM (`pack`), the x86
 library behind torch's quantized CPU operators: its float16 kernel converts the weight to float32 in registers,
 so it reads 2 bytes per weight and multiplies in float32. On some CPUs it multiplies a few rows several times
-faster than F.linear in any dtype; kvbook.runtime.paths measures whether. Packing is slow (about 10 ns per weight,
+faster than F.linear in any dtype; kvbook.runtime.paths measures whether. Packing is slow (tens of ns per weight,
 seconds for this model), so only a scheduler that batches asks for it (kvbook.runtime.engine).
 """
 
