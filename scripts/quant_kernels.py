@@ -10,9 +10,10 @@ cost of dequantizing that matrix per call. Results go to BENCHMARKS.md ("int8").
 
 Also the candidate the engine does not use: FBGEMM's W8A8 product (`quantized::linear_dynamic`), which quantizes
 the activations to 8 bits on the fly (7 with reduce_range, which x86 CPUs without VNNI need so that vpmaddubsw's
-int16 pair sums cannot saturate), with one scale for the whole input, so a row's result also depends on its batch. Issue 17 asks for activations that stay floating point, so its speed
-is printed beside the relative error it costs on one 4096 x 4096 product, with and without a few outlier
-activations (trained models have them; random ones do not)."""
+int16 pair sums cannot saturate), with one scale for the whole input, so a row's result also depends on its batch.
+Issue 17 asks for activations that stay floating point, so its speed is printed beside the relative error it costs
+on one 4096 x 4096 product, with and without a few outlier activations (trained models have them; random ones do
+not)."""
 
 import json
 import sys
