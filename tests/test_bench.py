@@ -5,13 +5,17 @@ import json
 import subprocess
 import sys
 
+import kvbook.tools.roofline as roofline_module
 import pytest
 import torch
 from kvbook.config import Config, ModelConfig, load_config
-from kvbook.model.linear import fbgemm_available
+from kvbook.model.linear import FBGEMM, fbgemm_available
+from kvbook.runtime.engine import Engine
+from kvbook.runtime.paths import PhasePath
 from kvbook.tools.bench import decode_weight_bytes, ratios
 from kvbook.tools.roofline import prefill_flops
 
+from .conftest import small_config
 from .test_cli import TINY, TINY_SETTINGS
 
 
@@ -143,13 +147,6 @@ def test_concurrency_must_be_positive():
 
 
 def test_peak_compute_times_the_arithmetic_of_the_phase_it_is_given(weight_cache, monkeypatch):
-    import kvbook.tools.roofline as roofline_module
-    from kvbook.model.linear import FBGEMM
-    from kvbook.runtime.engine import Engine
-    from kvbook.runtime.paths import PhasePath
-
-    from .conftest import small_config
-
     engine = Engine(small_config(layers=1), progress=False)
     timed = []
     monkeypatch.setattr(roofline_module, "time_linear",
