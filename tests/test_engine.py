@@ -61,6 +61,36 @@ def test_kv_cache_bytes_are_exact(engine):
     assert cache[0].keys().shape == (1, m.num_key_value_heads, 12, m.head_dim)
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_cache_copy_keeps_the_chosen_positions_and_decodes_like_the_original(engine, cache_dtype):
+    cfg = engine.config.replace(kv_cache={"cache_dtype": cache_dtype})
+    cache = KVCache(cfg.model, cfg.kv_cache, engine.device)
+    token, position = torch.tensor([[7]]), torch.tensor([12])
+    with torch.inference_mode():
+        engine.model(torch.tensor([PROMPT]), torch.arange(12), cache)
+        whole, shuffled, dropped = cache.copy(), cache.copy(torch.arange(12).flip(0)), cache.copy([0, 1, 3])
+        assert whole.lengths() == shuffled.lengths() == [12, 12] and dropped.lengths() == [3, 3]
+        for old, same, flipped, short in zip(cache.layers, whole.layers, shuffled.layers, dropped.layers,
+                                             strict=True):
+            assert torch.equal(same.keys(), old.keys()) and torch.equal(same.values(), old.values())
+            assert torch.equal(flipped.keys(), old.keys().flip(2))
+            assert torch.equal(flipped.values(), old.values().flip(2))
+            assert torch.equal(short.keys(), old.keys()[:, :, [0, 1, 3]])
+        # the copy is independent: a step on it gives the original's logits and leaves the original as it was
+        on_copy = engine.model(token, position, whole)
+        assert cache.lengths() == [12, 12] and whole.lengths() == [13, 13]
+        torch.testing.assert_close(on_copy, engine.model(token, position, cache), atol=0, rtol=0)
+
+
+def test_cache_copy_names_slots_it_does_not_hold(engine):
+    cfg = engine.config
+    cache = KVCache(cfg.model, cfg.kv_cache, engine.device)
+    with torch.inference_mode():
+        engine.model(torch.tensor([PROMPT]), torch.arange(12), cache)
+    with pytest.raises(IndexError, match=r"positions in 0 … 11 .*got \[3, 12\]"):
+        cache.copy([3, 12])
+
+
 def test_cache_overflow_names_length_limit_and_fix_and_loses_nothing(engine):
     cfg = engine.config.replace(kv_cache={"max_cache_len": 20}, inference={"output_len": 5})
     cache = KVCache(cfg.model, cfg.kv_cache, engine.device)

@@ -53,6 +53,23 @@ def test_logits_and_caches_match_transformers(case):
         torch.testing.assert_close(layer.values(), hf_cache.layers[i].values, atol=1e-6, rtol=1e-6)
 
 
+@torch.inference_mode()
+def test_inputs_embeds_match_transformers_and_input_ids():
+    """The layers fed a vector directly (chapter 5's wrong decode input) as transformers' inputs_embeds are."""
+    cfg = small_config()
+    hf, _ = hf_reference(cfg)
+    ours = build_model(cfg.model, hf_weights(hf), torch.device("cpu"))
+    prompt = torch.arange(1, 13)[None]  # [1, 12]
+    embeds = torch.randn(1, 12, cfg.model.hidden_size, generator=torch.Generator().manual_seed(2))  # [1, 12, C]
+    logits = ours(None, torch.arange(12), None, last_only=False, inputs_embeds=embeds)  # [1, 12, vocab]
+    torch.testing.assert_close(logits, hf(inputs_embeds=embeds).logits, atol=1e-5, rtol=1e-5)
+    from_ids = ours(prompt, torch.arange(12), None, last_only=False)
+    torch.testing.assert_close(ours(None, torch.arange(12), None, last_only=False,
+                                    inputs_embeds=ours.model.embed_tokens(prompt)), from_ids, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="input_ids or inputs_embeds"):
+        ours(prompt, torch.arange(12), None, inputs_embeds=embeds)
+
+
 def test_parity_test_can_fail():
     """A wrong cache order (new key before the history) must break the comparison above."""
     cfg = small_config()

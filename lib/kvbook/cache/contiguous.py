@@ -125,11 +125,30 @@ class KVCache(LayeredCache):
     """One LayerKVCache per decoder layer: K0, V0, K1, V1, K2, V2 for the article's model."""
 
     def __init__(self, model: ModelConfig, kv: KVCacheConfig, device: torch.device, batch: int = 1):
+        self.model, self.kv, self.device, self.batch = model, kv, device, batch  # what copy() builds again
         self.layers = [
             LayerKVCache(i, batch, model.num_key_value_heads, kv.max_cache_len, model.head_dim,
                          storage_dtype(kv.cache_dtype), device, kv.cache_dtype)
             for i in range(model.num_hidden_layers)
         ]
+
+    def copy(self, slots=None) -> KVCache:
+        """A new cache holding this one's positions `slots` (a list or tensor of indices; default: all, in order),
+        in every layer, with K and V of the same slot kept together: a cache that lost a position, or holds them
+        shuffled or with the oldest dropped. Chapters 6 and 7 run decode steps on such caches to show which bugs
+        change the logits. The stored numbers are copied as they are (a quantized cache's scales with them)."""
+        index = torch.arange(self.length) if slots is None else torch.as_tensor(slots, dtype=torch.long)
+        if index.ndim != 1 or (len(index) and not 0 <= int(index.min()) <= int(index.max()) < self.length):
+            raise IndexError(f"KVCache.copy: slots must be one list of positions in 0 … {self.length - 1} "
+                             f"(the positions this cache holds); got {index.tolist()}")
+        new = KVCache(self.model, self.kv, self.device, self.batch)
+        index = index.to(self.device)
+        for old, layer in zip(self.layers, new.layers, strict=True):
+            for name in ("k", "v", "k_scale", "v_scale"):  # [B, KV, S, D], scales [B, KV, S, 1] or None
+                if getattr(old, name) is not None:
+                    getattr(layer, name)[:, :, :len(index)] = getattr(old, name)[:, :, index]
+            layer.length = len(index)
+        return new
 
     def filled_bytes(self) -> int:
         """Bytes of K and V actually holding positions: 2 x layers x kv_heads x head_dim x length x size (and the

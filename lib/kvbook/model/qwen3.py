@@ -45,17 +45,21 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch=None,
-                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, batch=None,
+                compute_dtype: torch.dtype | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [1, T], positions [T] -> final-normed hidden states [1, T, C].
         batch: a ForwardBatch (kvbook.model.forward_batch; a batched decode step's, input_ids [B, 1] and positions
         [B] with one per sequence, from kvbook.runtime.inputs.prepare_decode), a cache (which describes itself),
         or None (no cache).
-        compute_dtype: the activations' dtype (default: the weights'); see kvbook.model.linear."""
-        x = self.embed_tokens(input_ids)  # [B, T, C]
+        compute_dtype: the activations' dtype (default: the weights'); see kvbook.model.linear.
+        inputs_embeds [B, T, C]: the layers' input itself instead of input_ids' embeddings, as in transformers
+        (chapter 5 feeds the layers a vector that is not a token's embedding, to show what that does)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Qwen3Model.forward: give input_ids or inputs_embeds, not both or neither")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, C]
         x = x.to(compute_dtype or x.dtype)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)  # [T, D]
-        batch = ForwardBatch.of(batch, len(self.layers), input_ids.shape[1], x.device)
+        batch = ForwardBatch.of(batch, len(self.layers), x.shape[1], x.device)
         if batch.per_row:  # one position per sequence, each with its own angle: [B, 1, 1, D]
             cos, sin = cos[:, None, None], sin[:, None, None]
         for layer, layer_cache in zip(self.layers, batch.layer_caches, strict=True):
@@ -72,11 +76,11 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch=None, last_only: bool = True,
-                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, batch=None, last_only: bool = True,
+                compute_dtype: torch.dtype | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """-> logits [B, 1, vocab] for the last position (what generation needs), or [B, T, vocab].
-        batch: a ForwardBatch, a cache or None, as Qwen3Model.forward takes."""
-        hidden = self.model(input_ids, positions, batch, compute_dtype)  # [B, T, C]
+        batch, inputs_embeds: as Qwen3Model.forward takes them."""
+        hidden = self.model(input_ids, positions, batch, compute_dtype, inputs_embeds)  # [B, T, C]
         if last_only:
             hidden = hidden[:, -1:]  # [B, 1, C]: lm_head (C x V parameters) runs on one position only
         return self.lm_head(hidden)  # [B, 1, V]
