@@ -11,12 +11,12 @@ Routes, under the path of [server].api_base ("/api" for "http://127.0.0.1:8000/a
   GET  /openapi.json            the schema of every route, request and answer (kvbook.serving.protocol)
 
 Bodies are the pydantic models of kvbook.serving.protocol; a bad body is answered 400 in OpenAI's error format.
-Requests are batched continuously (kvbook.runtime.scheduler, in a thread of its own): a request joins the running batch
-after its prefill and leaves it when it finishes; up to [server].max_num_seqs decode together, up to
-[server].max_waiting wait in arrival order, and past that a request is answered 503 at once with a Retry-After
-header. A request that could never fit (the positions, max_cache_len or the whole block pool) is refused with
-400 before it queues. On SIGTERM or Ctrl-C the server stops accepting, lets running requests finish within a
-grace period and ends the rest with an error (GracefulServer).
+Requests are batched continuously (kvbook.runtime.scheduler, in a thread of its own:
+kvbook.serving.scheduler_thread): a request joins the running batch after its prefill and leaves it when it
+finishes; up to [server].max_num_seqs decode together, up to [server].max_waiting wait in arrival order, and past
+that a request is answered 503 at once with a Retry-After header. A request that could never fit (the positions,
+max_cache_len or the whole block pool) is refused with 400 before it queues. On SIGTERM or Ctrl-C the server stops
+accepting, lets running requests finish within a grace period and ends the rest with an error (GracefulServer).
 With [kv_cache] prefix_caching, a prompt that starts like an earlier one (a shared system prompt) reuses its
 blocks, and usage.prompt_tokens_details.cached_tokens says how many positions.
 When the environment variable named by [server].api_key_env is set, the routes under api_base's path need
@@ -36,7 +36,6 @@ import hmac
 import json
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -54,9 +53,8 @@ from ..cache.contiguous import CacheFullError
 from ..cache.memory import kv_cache_bytes
 from ..config import Config
 from ..runtime.engine import Engine
-from ..runtime.scheduler import Scheduler
 from ..runtime.sequence import Sequence
-from ..tokenizer import EOS_IDS, Tokenizer, get_default_tokenizer
+from ..tokenizer import Tokenizer, get_default_tokenizer
 from .metrics import ServerMetrics
 from .protocol import (
     AssistantMessage,
@@ -73,6 +71,8 @@ from .protocol import (
     Usage,
     explain_validation_error,
 )
+from .scheduler_thread import Sampling, SchedulerThread, ShutdownError
+from .text_stream import TextStream
 
 log = logging.getLogger("kvbook.serving.server")
 
@@ -87,179 +87,9 @@ class RequestError(Exception):
         self.headers = headers
 
 
-class ShutdownError(RuntimeError):
-    """The server is stopping and this request did not finish within the grace period."""
-
-
 def error_response(err: RequestError) -> JSONResponse:
     body = ErrorResponse(error={"message": err.message, "type": err.kind, "param": err.param, "code": err.code})
     return JSONResponse(body.model_dump(), status_code=err.status, headers=err.headers)
-
-
-class TextStream:
-    """Turns generated token ids into text pieces: holds back an incomplete UTF-8 character and anything that
-    could still become a stop string, and reports a stop string once it appears."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.sent = 0  # characters already given out
-        self.stopped = False
-
-    def add(self, token_id: int) -> str:
-        if token_id not in EOS_IDS:
-            self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        for s in self.stop:
-            if s in text:
-                self.stopped = True
-                text = text[:text.index(s)]
-                return self._emit(text, len(text))
-        safe = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character decodes as U+FFFD
-        if self.stop:
-            safe = min(safe, len(text) - max(len(s) for s in self.stop) + 1)
-        return self._emit(text, safe)
-
-    def finish(self) -> str:
-        if self.stopped:
-            return ""
-        text = self.tokenizer.decode(self.ids)
-        return self._emit(text, len(text))
-
-    def _emit(self, text: str, upto: int) -> str:
-        piece = text[self.sent:max(upto, self.sent)]
-        self.sent += len(piece)
-        return piece
-
-
-@dataclass(eq=False)
-class Ticket:
-    """A request handed to the scheduler thread: its Steps come back on `steps` (None after the last one, an
-    exception if its forward pass failed or the server shut down first)."""
-
-    input_ids: list[int]
-    sampling: Sampling
-    deliver: object  # puts an item on the request's asyncio queue, from the scheduler thread
-    steps: asyncio.Queue
-    sequence: Sequence | None = None
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """A request's generation options, defaults filled in."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, body: ChatCompletionRequest, default_max_tokens: int) -> Sampling:
-        return cls(body.new_tokens or default_max_tokens,
-                   1.0 if body.temperature is None else body.temperature,
-                   1.0 if body.top_p is None else body.top_p, body.seed, bool(body.ignore_eos),
-                   tuple(body.stop_strings))
-
-
-class SchedulerThread:
-    """Runs the scheduler's forward passes in a thread, so the event loop keeps serving while the model computes.
-    The event loop only puts tickets, aborts and a shutdown in the inbox; the thread alone touches the scheduler."""
-
-    def __init__(self, engine: Engine, record_timeline: bool = False):
-        server = engine.config.server
-        self.scheduler = Scheduler(engine, server.max_num_seqs, record_timeline, server.prefill_chunk)
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.tickets: dict[Sequence, Ticket] = {}
-        self._unread = 0  # tickets in the inbox, not yet in the scheduler's queue
-        self._unread_lock = threading.Lock()
-        self.closed = False
-        self.thread = threading.Thread(target=self._loop, name="kvbook-scheduler", daemon=True)
-        self.thread.start()
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests submitted and not yet running (read from the event loop: a snapshot, never too low)."""
-        return self._unread + len(self.scheduler.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._unread or self.tickets)
-
-    def submit(self, input_ids: list[int], sampling: Sampling) -> Ticket:
-        loop = asyncio.get_running_loop()
-        steps: asyncio.Queue = asyncio.Queue()
-        ticket = Ticket(input_ids, sampling, lambda item: loop.call_soon_threadsafe(steps.put_nowait, item), steps)
-        with self._unread_lock:
-            self._unread += 1
-        self.inbox.put(("add", ticket))
-        return ticket
-
-    def abort(self, ticket: Ticket) -> None:
-        """The client went away or stopped listening: the sequence leaves at the next step (no-op once done)."""
-        self.inbox.put(("abort", ticket))
-
-    def end_all(self, error: Exception) -> None:
-        """Fail every request in flight with `error` (a shutdown past its grace period)."""
-        self.inbox.put(("end_all", error))
-
-    def close(self) -> None:
-        self.closed = True
-        self.thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self.closed:
-            self._read_inbox(wait=not self.scheduler.has_work)
-            try:
-                stepped = self.scheduler.step()
-            except Exception as err:  # noqa: BLE001 - a bug outside the forward pass: fail the requests, never hang
-                log.exception("scheduler step failed; failing every request in flight")
-                self._fail_all(err)
-                continue
-            for seq in stepped:
-                ticket = self.tickets[seq]
-                ticket.deliver(seq.error if seq.error is not None else seq.steps[-1])
-            for seq in [seq for seq in self.tickets if seq.finished]:
-                self.tickets.pop(seq).deliver(None)
-
-    def _fail_all(self, err: Exception) -> None:
-        for seq, ticket in self.tickets.items():
-            ticket.deliver(err)
-            self.scheduler.abort(seq)
-
-    def _read_inbox(self, wait: bool) -> None:
-        try:
-            item = self.inbox.get(timeout=0.1) if wait else self.inbox.get_nowait()
-            while True:
-                kind, payload = item
-                if kind == "abort" and payload.sequence is not None:
-                    self.scheduler.abort(payload.sequence)
-                elif kind == "add":
-                    self._add(payload)
-                elif kind == "end_all":
-                    self._fail_all(payload)
-                item = self.inbox.get_nowait()
-        except queue.Empty:
-            pass
-
-    def _add(self, ticket: Ticket) -> None:
-        s = ticket.sampling
-        try:
-            ticket.sequence = self.scheduler.add(ticket.input_ids, s.max_tokens, temperature=s.temperature,
-                                                 top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos)
-        except Exception as err:  # noqa: BLE001 - checked before submission; reported, never lost
-            ticket.deliver(err)
-            ticket.deliver(None)
-            return
-        finally:
-            with self._unread_lock:
-                self._unread -= 1
-        self.tickets[ticket.sequence] = ticket
 
 
 def positions_per_sequence(engine: Engine) -> int:
