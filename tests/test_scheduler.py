@@ -137,7 +137,7 @@ def test_a_row_computes_the_same_alone_as_in_a_batch(dtype):
     # float16 kernel does for 1, 2, 7 and 14 of 16 rows on an AMD EPYC Zen 3); inside batch_invariant_rows
     # kvbook.model.linear pads rows to the multiple kvbook.runtime.paths measures for the kernel, so a decode step
     # does not depend on the batch
-    from kvbook.model.linear import Linear, batch_invariant_rows
+    from kvbook.model.linear import Linear, batch_invariant_rows, packed_products
 
     kernel = "torch"
     if dtype == "fbgemm":
@@ -154,7 +154,7 @@ def test_a_row_computes_the_same_alone_as_in_a_batch(dtype):
     x = torch.randn(8, 1, 4096).to(dtype)  # [B, 1, hidden]: one decode position per sequence
     cfg = small_config(hidden=4096, heads=32, head_dim=128, kv_heads=32).replace(model={"intermediate_size": 4096})
     multiple, _ = invariant_row_multiple(cfg, dtype, torch.device("cpu"), 8, kernel)
-    with batch_invariant_rows(multiple):
+    with batch_invariant_rows(multiple), packed_products():
         batched = layer(x)
         assert all(torch.equal(batched[b:b + 1], layer(x[b:b + 1])) for b in range(8))
         assert all(torch.equal(batched[:b], layer(x[:b])) for b in range(1, 8))

@@ -2,6 +2,7 @@
 machine and cached; copies of the weights in that dtype; always-2-D inputs; down_proj as column blocks. They change
 how the arithmetic is done, not what is computed: checked against the plain float16/float32 path."""
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from kvbook.model.linear import (
     fbgemm_available,
     pack_model,
     packed_linear,
+    packed_products,
     split_long_inputs,
     weight_bytes_kept,
 )
@@ -66,7 +68,12 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache, monkeypatc
     again = choose_paths(cfg, CPU)
     assert again.source == "cached" and again.to_json() | {"source": "measured", "measured_s": 0} == \
         first.to_json() | {"source": "measured", "measured_s": 0}
-    assert len(first.describe()) == 5 and first.describe()[1].startswith("decode: ")
+    assert len(first.describe()) == 6 and first.describe()[1].startswith("decode: ")
+    # a prefill on packed weights is measured only where a batched step packs them
+    if first.batched_decode.kernel == "fbgemm":
+        assert first.packed_prefill_reason.startswith("measured, prompt rows")
+    else:
+        assert first.packed_prefill_rows == 0 and "does not pack" in first.packed_prefill_reason
 
 
 def test_a_choice_timed_on_a_busy_machine_is_used_but_not_cached(weight_cache, monkeypatch):
@@ -231,11 +238,15 @@ def test_a_batched_step_multiplies_float32_rows_by_the_packed_float16_weight():
     layer.pack()
     assert len(layer.packed) == 2
     exact = torch.nn.functional.linear(x.double(), layer.weight.double())
-    with batch_invariant_rows(4):
+    with batch_invariant_rows(4), packed_products():
         out = layer(x)
     # float32 products and sums of 4096 terms of size ~0.02: within float32 rounding of the exact product
     assert out.dtype == torch.float32 and (out.double() - exact).abs().max() < 1e-4
-    assert torch.count_nonzero(layer(x)) == 0  # outside a batched step: the float32 copy, as before
+    assert torch.count_nonzero(layer(x)) == 0  # outside packed_products: the float32 copy, as before
+    with batch_invariant_rows(4):
+        assert torch.count_nonzero(layer(x)) == 0  # padded rows alone do not choose the kernel
+    with packed_products():  # a prefill pass: no padding
+        torch.testing.assert_close(layer(x), out, atol=0, rtol=0)
     assert layer(x.half()).dtype == torch.float16  # a float16 batched step keeps F.linear on the weight
     torch.testing.assert_close(packed_linear(x, layer.packed), out)
 
@@ -256,3 +267,64 @@ def test_packed_weights_are_counted_and_made_once(weight_cache):
     pack_model(engine.model)
     assert [m.packed for m in layers] == packed  # a shared model is packed once
     assert engine.paths.batched_decode.label == "fbgemm-float16" and "fbgemm-float16" in engine.paths.describe()[2]
+
+
+@needs_fbgemm
+def test_a_batching_schedulers_short_prompts_are_prefilled_on_the_packed_weights(weight_cache, monkeypatch):
+    from kvbook.model import linear
+    from kvbook.runtime.scheduler import Scheduler
+
+    paths = dataclasses.replace(fixed_paths(torch.float32, torch.float16, torch.float32, batched_kernel="fbgemm"),
+                                packed_prefill_rows=12, packed_prefill_reason="as if measured")
+    engine = Engine(small_config(dtype="float16"), progress=False, paths=paths)
+    assert "prompt passes of up to 12 rows (as if measured)" in engine.paths.describe()[-1]
+    assert engine.prefill_path_for(True, 12).label == "fbgemm-float16"
+    assert engine.prefill_path_for(True, 13).label == engine.prefill_path_for(False, 5).label == "float32"
+    calls = []
+    monkeypatch.setattr(linear, "packed_linear", lambda x, packed: calls.append(x.shape[0]) or
+                        torch.ops.quantized.linear_dynamic_fp16(x, packed[0]))
+    outputs = {}
+    for prompt in (PROMPT, PROMPT + [15]):  # 12 rows: packed; 13 rows: prefill's float32 copy
+        calls.clear()
+        cache = engine.new_cache()
+        logits, _ = engine.prefill(cache, prompt, batched=True)
+        # every layer matrix on the prompt's rows (lm_head computes its one row in the decode dtype, as ever)
+        assert calls == ([len(prompt)] * 7 * engine.config.model.num_hidden_layers if len(prompt) == 12 else [])
+        outputs[len(prompt)] = logits
+        torch.testing.assert_close(logits, engine.prefill(engine.new_cache(), prompt)[0], atol=1e-3, rtol=1e-3)
+    # a scheduler that batches prefills through it too, alone or among others, so its tokens stay its own
+    alone = Scheduler(engine, max_num_seqs=4)
+    seq = alone.add(PROMPT, 4, ignore_eos=True)
+    calls.clear()
+    alone.run_until_done()
+    assert calls.count(12) == 7 * engine.config.model.num_hidden_layers  # its prefill, on the packed weights
+    together = Scheduler(engine, max_num_seqs=4)
+    seqs = [together.add(p, 4, ignore_eos=True) for p in (PROMPT, PROMPT[::-1], PROMPT + [15])]
+    together.run_until_done()
+    assert seqs[0].output_ids == seq.output_ids
+
+
+def test_pinning_prefill_turns_the_packed_prefill_off(weight_cache, monkeypatch):
+    from kvbook.runtime import paths
+
+    measured = dataclasses.replace(fixed_paths(torch.float32, torch.float16, torch.float32, batched_kernel="fbgemm"),
+                                   packed_prefill_rows=256, packed_prefill_reason="as if measured")
+    monkeypatch.setattr(paths, "measure_paths", lambda config, device: measured)
+    cfg = small_config(dtype="float16").replace(inference={"prefill_dtype": "bfloat16"})
+    pinned = paths.choose_paths(cfg, CPU)
+    assert pinned.prefill.dtype == torch.bfloat16 and pinned.packed_prefill_rows == 0
+    assert "prefill pinned by [inference] prefill_dtype" in pinned.describe()[-1]
+
+
+def test_packed_prefill_rows_is_the_longest_prompt_fbgemm_wins_at(monkeypatch):
+    from kvbook.runtime import paths
+
+    cfg = small_config(dtype="float16", max_positions=4096)
+    cases = {  # FBGEMM's ms per probe of 16, 64, 256 rows (prefill's own: 10 ms each) -> rows
+        (5, 5, 5): 4096, (5, 5, 20): 64, (5, 20, 5): 16, (20, 5, 5): 0}
+    for packed_ms, rows in cases.items():
+        timed = dict(zip(paths.PACKED_PREFILL_PROBES, packed_ms, strict=True))
+        monkeypatch.setattr(paths, "estimate_prefill_ms", lambda config, n, dtype, device, best_ms=0, weights=None,
+                            kernel="torch", timed=timed: timed[n] if kernel == "fbgemm" else 10.0)
+        found, reason = paths.packed_prefill_rows(cfg, torch.float32, CPU)
+        assert found == rows and reason.startswith("measured") and "16 rows fbgemm-float16" in reason

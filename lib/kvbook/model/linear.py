@@ -17,7 +17,9 @@ A batched decode step may instead multiply float32 rows by the float16 weight pa
 library behind torch's quantized CPU operators: its float16 kernel converts the weight to float32 in registers,
 so it reads 2 bytes per weight and multiplies in float32. On some CPUs it multiplies a few rows several times
 faster than F.linear in any dtype; kvbook.runtime.paths measures whether. Packing is slow (tens of ns per weight,
-seconds for this model), so only a scheduler that batches asks for it (kvbook.runtime.engine).
+seconds for this model), so only a scheduler that batches asks for it (kvbook.runtime.engine), and then its short
+prompts' prefill may multiply by the packed weights too. Products of float32 rows go through them inside
+`packed_products()`.
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ def batch_invariant_rows(multiple: int):
         _state.multiple = previous
 
 
+@contextlib.contextmanager
+def packed_products():
+    """Inside: a Linear that holds its weight packed for FBGEMM multiplies float32 rows by it (a batched step, or
+    a batching scheduler's prefill; kvbook.runtime.engine)."""
+    previous = getattr(_state, "packed", False)
+    _state.packed = True
+    try:
+        yield
+    finally:
+        _state.packed = previous
+
+
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, dtype=None, device=None):
         super().__init__(in_features, out_features, bias=False, dtype=dtype, device=device)
@@ -96,8 +110,8 @@ class Linear(nn.Linear):
         rows, multiple = x.shape[0], getattr(_state, "multiple", None)  # None: not a batched step
         if rows == 1 and multiple is None and self.row_dtype is not None:
             x = x.to(self.row_dtype)
-        if multiple is not None and self.packed is not None and x.dtype == torch.float32:
-            out = padded_rows(x, multiple, partial(packed_linear, packed=self.packed))  # FBGEMM's batched step
+        if self.packed is not None and x.dtype == torch.float32 and getattr(_state, "packed", False):
+            out = padded_rows(x, multiple or 1, partial(packed_linear, packed=self.packed))  # FBGEMM's kernel
             return out.reshape(*leading, self.out_features)
         weight = self.weight_in(x.dtype)
         if weight is None:

@@ -20,7 +20,15 @@ from ..cache.paged import BlockPool, PagedKVCache
 from ..config import Config
 from ..device import TORCH_DTYPES, enable_huge_pages, resolve_device, synchronize
 from ..model import quant
-from ..model.linear import FBGEMM, add_copies, batch_invariant_rows, pack_model, split_long_inputs, weight_bytes_kept
+from ..model.linear import (
+    FBGEMM,
+    add_copies,
+    batch_invariant_rows,
+    pack_model,
+    packed_products,
+    split_long_inputs,
+    weight_bytes_kept,
+)
 from ..model.qwen3 import Qwen3ForCausalLM
 from ..model.weights import (
     attach_prefill_weights,
@@ -119,18 +127,23 @@ class Engine:
         if self.decoder is not None and cache is self.decoder.cache:
             self.decoder.release()
 
-    def prefill(self, cache, prompt: list[int], chunk: int = 0) -> tuple[torch.Tensor, int]:
+    def prefill(self, cache, prompt: list[int], chunk: int = 0, batched: bool = False) -> tuple[torch.Tensor, int]:
         """Fill the cache with the prompt from where it stands -> (logits of the last position computed
         [1, 1, vocab], positions reused). On an empty cache with prefix caching, the prompt's leading full blocks
         already in the pool are reused, not computed. chunk > 0: at most chunk positions in this call (chunked
-        prefill, kvbook.runtime.scheduler); call again until cache.length == len(prompt)."""
+        prefill, kvbook.runtime.scheduler); call again until cache.length == len(prompt). batched: for a
+        scheduler that batches, whose weights may be packed for FBGEMM (prefill_path_for)."""
         reused = cache.reuse_prefix(prompt) if self.prefix_caching and cache.length == 0 else 0
         start = cache.length
         end = min(len(prompt), start + chunk) if chunk > 0 else len(prompt)
         ids = torch.tensor([prompt[start:end]], device=self.device)  # [1, T]: positions not reused, one pass
         positions = torch.arange(start, end, device=self.device)  # [T]
-        with torch.inference_mode():
-            logits = self.model(ids, positions, cache, compute_dtype=self.prefill_dtype)  # [1, 1, vocab]
+        path = self.prefill_path_for(batched, end - start)
+        if path.kernel == FBGEMM:
+            self.prepare_batched_decode()  # packs the weights, once
+        packed = packed_products() if path.kernel == FBGEMM else contextlib.nullcontext()
+        with torch.inference_mode(), packed:
+            logits = self.model(ids, positions, cache, compute_dtype=path.dtype)  # [1, 1, vocab]
         if self.prefix_caching:
             cache.register_full_blocks(prompt[:end])
         return logits, reused
@@ -146,8 +159,19 @@ class Engine:
             self.prepare_batched_decode()
         ids, positions, batch = prepare_decode(tokens, caches, self.device)  # [B, 1], [B]
         invariant = batch_invariant_rows(self.paths.batch_row_multiple) if batched else contextlib.nullcontext()
-        with torch.inference_mode(), invariant:
+        packed = packed_products() if batched and self.paths.batched_decode.kernel == FBGEMM \
+            else contextlib.nullcontext()
+        with torch.inference_mode(), invariant, packed:
             return self.model(ids, positions, batch, compute_dtype=self.decode_path_for(batched).dtype)  # [B, 1, vocab]
+
+    def prefill_path_for(self, batched: bool, rows: int) -> PhasePath:
+        """How a prefill pass of `rows` prompt positions computes: prefill's path, or, in a scheduler that batches
+        on FBGEMM's packed weights, those weights when kvbook.runtime.paths measured them faster for that many
+        rows (a short prompt: float32's product of a few rows is slow on some CPUs)."""
+        if batched and self.paths.batched_decode.kernel == FBGEMM and rows <= self.paths.packed_prefill_rows:
+            return PhasePath(torch.float32, f"the batched step's weights packed for FBGEMM, for passes of up to "
+                                            f"{self.paths.packed_prefill_rows} rows", kernel=FBGEMM)
+        return self.paths.prefill
 
     def decode_path_for(self, batched: bool) -> PhasePath:
         """How a decode step computes: a lone sequence's path, or that of a scheduler that may batch."""

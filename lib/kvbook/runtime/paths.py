@@ -15,6 +15,9 @@ A batched decode step has one more candidate on an x86 CPU: float32 rows times t
 (kvbook.model.linear; the kernel "fbgemm", shown as "fbgemm-float16"). It computes in float32 like a float32 copy but
 reads 2 bytes per weight. Packing takes seconds for the article's model, so only the batched step, which a
 long-running server or batch job builds once, is offered it; a lone step and prefill are built with every engine.
+Once a batching scheduler has the packed weights, its prefill may use them too: on some CPUs float32's product
+of a few prompt rows is several times slower than FBGEMM's (a 20-token chat prompt), so the measurement also
+finds up to how many prompt rows FBGEMM beats prefill's own dtype (`packed_prefill_rows`; 0: never).
 
 [inference] prefill_dtype pins prefill's dtype ("auto" = measured). The appendix ("Making it fast on a CPU") shows
 the choice.
@@ -41,12 +44,13 @@ from ..model.quant import INT8
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 4  # bump when what is measured changes, so old choices are measured again
+PATHS_VERSION = 5  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
 MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
 TIMED_ROWS_MAX = 8192  # a timed matrix has at most this many output rows (64 MiB in float16 at 4096 wide)
 PREFILL_ROWS_MAX = 64  # prefill is timed on at most this many prompt rows: the same kernels, sooner known
+PACKED_PREFILL_PROBES = (16, 64, 256)  # prompt rows at which prefill's dtype and FBGEMM's packed weights are timed
 # other processes' share of the machine's CPU time during a measurement above which its choice is not cached: timed
 # on a busy machine, a candidate can lose by chance (float16 prefill was once cached that way: a 50 s TTFT)
 BUSY_SHARE = 0.25
@@ -103,12 +107,17 @@ class ComputePaths:
     batch_row_multiple: int = 1  # batched rows padded to a multiple of this (kvbook.model.linear.batch_invariant_rows)
     batch_row_reason: str = "not measured"
     others_cpu_share: float | None = None  # other processes' share of the CPUs while measuring (None: unknown)
+    # a batching scheduler's prefill pass of at most this many rows multiplies by the batched step's packed weights
+    # (kvbook.runtime.engine.Engine.prefill_path_for; 0: never)
+    packed_prefill_rows: int = 0
+    packed_prefill_reason: str = "not measured"
 
     def to_json(self) -> dict:
         return {"source": self.source, "measured_s": round(self.measured_s, 3),
                 **{phase: getattr(self, phase).to_json() for phase in PHASES},
                 "split_wide_rows": self.split_wide_rows, "split_reason": self.split_reason,
                 "batch_row_multiple": self.batch_row_multiple, "batch_row_reason": self.batch_row_reason,
+                "packed_prefill_rows": self.packed_prefill_rows, "packed_prefill_reason": self.packed_prefill_reason,
                 "others_cpu_share": self.others_cpu_share}
 
     def describe(self) -> list[str]:
@@ -117,7 +126,14 @@ class ComputePaths:
                 for phase in PHASES] + [f"down_proj as column blocks for one row: "
                                         f"{'yes' if self.split_wide_rows else 'no'} ({self.split_reason})",
                                         f"batched rows padded to a multiple of {self.batch_row_multiple} "
-                                        f"({self.batch_row_reason})"]
+                                        f"({self.batch_row_reason})",
+                                        f"a batching scheduler's prefill through the packed weights: "
+                                        f"{self._packed_prefill_rule()} ({self.packed_prefill_reason})"]
+
+    def _packed_prefill_rule(self) -> str:
+        if self.packed_prefill_rows <= 0:
+            return "no"
+        return f"prompt passes of up to {self.packed_prefill_rows} rows"
 
     def dtypes(self) -> set[torch.dtype]:
         return {getattr(self, phase).dtype for phase in PHASES}
@@ -312,16 +328,17 @@ def estimate_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.dev
 
 
 def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device,
-                        best_ms: float = float("inf"), weights: TimingWeights | None = None) -> float:
-    """Prefill's layer matrices for `rows` prompt rows, from one timed gate_proj (the products are limited by
-    arithmetic, whose rate hardly depends on the matrix's width). best_ms: the best estimate so far; a dtype
-    whose first product already takes 3 times as long is not timed again."""
+                        best_ms: float = float("inf"), weights: TimingWeights | None = None,
+                        kernel: str = "torch") -> float:
+    """Prefill's layer matrices for `rows` prompt rows, from one timed gate_proj (at most TIMED_ROWS_MAX of its
+    rows: the products are limited by arithmetic, whose rate hardly depends on the matrix's size). best_ms: the
+    best estimate so far; a dtype whose first product already takes 3 times as long is not timed again."""
     m = config.model
     params = sum(params for _, params in matrix_groups(config, lm_head=False))
-    out = max(1, min(params // m.hidden_size, m.intermediate_size))
+    out = max(1, min(params // m.hidden_size, m.intermediate_size, TIMED_ROWS_MAX))
     scale = params / (out * m.hidden_size)
     seconds = time_linear(rows, out, m.hidden_size, dtype, device, repeats=2, give_up_s=3 * best_ms / 1e3 / scale,
-                          weights=weights)
+                          weights=weights, kernel=kernel)
     return seconds * scale * 1e3
 
 
@@ -418,8 +435,33 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
         split_reason = f"measured, one row through down_proj: as blocks {wide[1]:.2f} ms, whole {wide[0]:.2f} ms"
     batched = chosen["batched_decode"]
     multiple, multiple_reason = invariant_row_multiple(config, batched.dtype, device, batch_rows, batched.kernel)
+    packed_rows, packed_reason = 0, "the batched step does not pack its weights"
+    if batched.kernel == FBGEMM:
+        packed_rows, packed_reason = packed_prefill_rows(config, chosen["prefill"].dtype, device, timing)
     return ComputePaths(chosen["prefill"], chosen["decode"], batched, "measured",
-                        time.perf_counter() - started, split, split_reason, multiple, multiple_reason)
+                        time.perf_counter() - started, split, split_reason, multiple, multiple_reason,
+                        packed_prefill_rows=packed_rows, packed_prefill_reason=packed_reason)
+
+
+def packed_prefill_rows(config: Config, prefill_dtype: torch.dtype, device: torch.device,
+                        weights: TimingWeights | None = None) -> tuple[int, str]:
+    """Up to how many prompt rows FBGEMM's packed float16 weights multiply faster than prefill's dtype, timed at
+    PACKED_PREFILL_PROBES rows (capped by the model's positions): the largest probe at and below which FBGEMM
+    always won, every length when it won at the largest probe, 0 when it lost at the smallest (or a longer
+    prompt's product would have to be extrapolated: FBGEMM's lead shrinks with the rows on some CPUs)."""
+    limit = config.model.max_position_embeddings
+    probes = sorted({min(rows, limit) for rows in PACKED_PREFILL_PROBES})
+    rows_won, timings = 0, []
+    for rows in probes:
+        own = estimate_prefill_ms(config, rows, prefill_dtype, device, weights=weights)
+        packed = estimate_prefill_ms(config, rows, torch.float32, device, weights=weights, kernel=FBGEMM)
+        timings.append(f"{rows} rows {FBGEMM_LABEL} {packed:.1f} ms, {dtype_name(prefill_dtype)} {own:.1f} ms")
+        if packed >= own:
+            break
+        rows_won = rows
+    if rows_won == probes[-1]:
+        rows_won = limit
+    return rows_won, "measured, prompt rows through the layers: " + "; ".join(timings)
 
 
 def _cache_path(config: Config) -> Path:
@@ -438,7 +480,9 @@ def _from_json(data: dict, source: str) -> ComputePaths:
                                data[phase].get("estimated_ms", {}), data[phase]["kernel"]) for phase in PHASES}
     return ComputePaths(**phases, source=source, measured_s=0.0, split_wide_rows=data["split_wide_rows"],
                         split_reason=data["split_reason"], batch_row_multiple=data["batch_row_multiple"],
-                        batch_row_reason=data["batch_row_reason"], others_cpu_share=data.get("others_cpu_share"))
+                        batch_row_reason=data["batch_row_reason"], others_cpu_share=data.get("others_cpu_share"),
+                        packed_prefill_rows=data["packed_prefill_rows"],
+                        packed_prefill_reason=data["packed_prefill_reason"])
 
 
 def choose_paths(config: Config, device: torch.device) -> ComputePaths:
@@ -471,8 +515,9 @@ def choose_paths(config: Config, device: torch.device) -> ComputePaths:
                 partial.write_text(json.dumps({"machine": cpu_identity(), **paths.to_json()}, indent=1))
                 os.replace(partial, path)
     if pinned != "auto":
-        paths = dataclasses.replace(paths, prefill=PhasePath(TORCH_DTYPES[pinned],
-                                                             "pinned by [inference] prefill_dtype"))
+        pinned_reason = "pinned by [inference] prefill_dtype"
+        paths = dataclasses.replace(paths, prefill=PhasePath(TORCH_DTYPES[pinned], pinned_reason),
+                                    packed_prefill_rows=0, packed_prefill_reason=f"prefill {pinned_reason}")
     return paths
 
 

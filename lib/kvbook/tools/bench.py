@@ -7,7 +7,8 @@ The floors belong to the machine, not to one kernel:
   memory floor   the bytes a decode step must read (the weights as stored, the embedding's one row, and the K/V
                  cache at the run's mean position) / the best plain streaming read (torch.sum over 1 GiB float32)
   compute floor  prefill's FLOPs counted from the shapes (lm_head on the last position only) / the best matrix-
-                 product rate of any dtype the engine may compute in on the device (kvbook.runtime.paths.candidates)
+                 product rate of any dtype the engine may compute in on the device (kvbook.runtime.paths.candidates,
+                 and FBGEMM's kernel on float16 weights where torch has it: a batching scheduler computes with it)
 
 Each party runs in its own process, so that one's memory and caches do not colour the other's figures:
   machine      the plain read and the kernel table (matrix-vector, 8 rows, a 256-row product per dtype)
@@ -34,6 +35,7 @@ import torch
 from ..cache.memory import kv_cache_bytes
 from ..config import Config
 from ..device import TORCH_DTYPES, resolve_device, synchronize
+from ..model.linear import FBGEMM_LABEL
 from ..model.quant import int8_weight_bytes
 from ..model.weights import expected_shapes
 from ..runtime.paths import candidates, cpu_identity, dtype_name, kernel_table, paths_cache_dir, read_bandwidth_gbps
@@ -93,6 +95,8 @@ def machine_worker(config: Config, repeats: int) -> dict:
     read = read_bandwidth_gbps(device, repeats=repeats)
     kernels = kernel_table(device, list(KERNEL_DTYPES))
     usable = [dtype_name(d) for d in candidates(TORCH_DTYPES[config.inference.dtype])]
+    if FBGEMM_LABEL in kernels and config.inference.dtype == "float16":  # batched steps and a server's prefill may
+        usable.append(FBGEMM_LABEL)  # multiply by the packed float16 weights (kvbook.runtime.paths)
     best = max(usable, key=lambda name: kernels[name]["matmul_gflops"])
     return {**read, "kernels": kernels, "compute_dtypes": usable, "peak_gflops": kernels[best]["matmul_gflops"],
             "peak_gflops_dtype": best,
