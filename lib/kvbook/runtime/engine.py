@@ -158,11 +158,11 @@ class Engine:
         if batched:
             self.prepare_batched_decode()
         ids, positions, batch = prepare_decode(tokens, caches, self.device)  # [B, 1], [B]
+        path = self.decode_path_for(batched)
         invariant = batch_invariant_rows(self.paths.batch_row_multiple) if batched else contextlib.nullcontext()
-        packed = packed_products() if batched and self.paths.batched_decode.kernel == FBGEMM \
-            else contextlib.nullcontext()
+        packed = packed_products() if path.kernel == FBGEMM else contextlib.nullcontext()
         with torch.inference_mode(), invariant, packed:
-            return self.model(ids, positions, batch, compute_dtype=self.decode_path_for(batched).dtype)  # [B, 1, vocab]
+            return self.model(ids, positions, batch, compute_dtype=path.dtype)  # [B, 1, vocab]
 
     def prefill_path_for(self, batched: bool, rows: int) -> PhasePath:
         """How a prefill pass of `rows` prompt positions computes: prefill's path, or, in a scheduler that batches
