@@ -320,8 +320,8 @@ def test_packed_prefill_rows_is_the_longest_prompt_fbgemm_wins_at(monkeypatch):
     from kvbook.runtime import paths
 
     cfg = small_config(dtype="float16", max_positions=4096)
-    cases = {  # FBGEMM's ms per probe of 16, 64, 256 rows (prefill's own: 10 ms each) -> rows
-        (5, 5, 5): 4096, (5, 5, 20): 64, (5, 20, 5): 16, (20, 5, 5): 0}
+    cases = {  # FBGEMM's ms per probe of 16, 64, 128, 256 rows (prefill's own: 10 ms each) -> rows
+        (5, 5, 5, 5): 4096, (5, 5, 5, 20): 128, (5, 5, 20, 5): 64, (5, 20, 5, 5): 16, (20, 5, 5, 5): 0}
     for packed_ms, rows in cases.items():
         timed = dict(zip(paths.PACKED_PREFILL_PROBES, packed_ms, strict=True))
         monkeypatch.setattr(paths, "estimate_prefill_ms", lambda config, n, dtype, device, best_ms=0, weights=None,

@@ -43,34 +43,33 @@ PACK_ROWS = 4096
 FBGEMM = "fbgemm"  # the kernel name kvbook.runtime.paths gives a phase that multiplies packed weights
 FBGEMM_LABEL = "fbgemm-float16"  # how that phase is shown: float32 rows, float16 weights packed for FBGEMM
 
-_state = threading.local()
+_state = threading.local()  # how this thread's products run now: `multiple` (padding) and `packed` (FBGEMM)
 
 
 @contextlib.contextmanager
+def _setting(name: str, value):
+    """Inside: this thread's _state.<name> is value (the previous value comes back after, so they nest)."""
+    previous = getattr(_state, name, None)
+    setattr(_state, name, value)
+    try:
+        yield
+    finally:
+        setattr(_state, name, previous)
+
+
 def batch_invariant_rows(multiple: int):
     """Inside: every product's rows are padded (with zeros) to a multiple of `multiple`. A CPU library may pick
     its kernel, and with it the rounding, by the number of rows (one row as a matrix-vector product, or blocks of
     4 rows); padded so, a sequence decoding alone gets exactly the numbers it gets in a batch
     (kvbook.runtime.scheduler).
     kvbook.runtime.paths measures the smallest multiple that does this for the batched dtype on this machine."""
-    previous = getattr(_state, "multiple", None)
-    _state.multiple = multiple
-    try:
-        yield
-    finally:
-        _state.multiple = previous
+    return _setting("multiple", multiple)
 
 
-@contextlib.contextmanager
 def packed_products():
     """Inside: a Linear that holds its weight packed for FBGEMM multiplies float32 rows by it (a batched step, or
     a batching scheduler's prefill; kvbook.runtime.engine)."""
-    previous = getattr(_state, "packed", False)
-    _state.packed = True
-    try:
-        yield
-    finally:
-        _state.packed = previous
+    return _setting("packed", True)
 
 
 class Linear(nn.Linear):
@@ -110,7 +109,7 @@ class Linear(nn.Linear):
         rows, multiple = x.shape[0], getattr(_state, "multiple", None)  # None: not a batched step
         if rows == 1 and multiple is None and self.row_dtype is not None:
             x = x.to(self.row_dtype)
-        if self.packed is not None and x.dtype == torch.float32 and getattr(_state, "packed", False):
+        if self.packed is not None and x.dtype == torch.float32 and getattr(_state, "packed", None):
             out = padded_rows(x, multiple or 1, partial(packed_linear, packed=self.packed))  # FBGEMM's kernel
             return out.reshape(*leading, self.out_features)
         weight = self.weight_in(x.dtype)

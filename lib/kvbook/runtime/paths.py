@@ -44,13 +44,14 @@ from ..model.quant import INT8
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 5  # bump when what is measured changes, so old choices are measured again
+PATHS_VERSION = 6  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
 MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
 TIMED_ROWS_MAX = 8192  # a timed matrix has at most this many output rows (64 MiB in float16 at 4096 wide)
 PREFILL_ROWS_MAX = 64  # prefill is timed on at most this many prompt rows: the same kernels, sooner known
-PACKED_PREFILL_PROBES = (16, 64, 256)  # prompt rows at which prefill's dtype and FBGEMM's packed weights are timed
+# prompt rows at which prefill's dtype and FBGEMM's packed weights are timed
+PACKED_PREFILL_PROBES = (16, 64, 128, 256)
 # other processes' share of the machine's CPU time during a measurement above which its choice is not cached: timed
 # on a busy machine, a candidate can lose by chance (float16 prefill was once cached that way: a 50 s TTFT)
 BUSY_SHARE = 0.25
