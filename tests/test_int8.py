@@ -115,6 +115,7 @@ def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cach
     # and the engine says that its decode steps, alone or batched, read the int8 matrices
     for phase in (engine.paths.decode, engine.paths.batched_decode):
         assert phase.label == "int8" and phase.reason.startswith('[inference] weight_dtype = "int8": bfloat16 rows')
+    assert engine.paths.packed_prefill_rows == 0 and "nothing is packed" in engine.paths.describe()[-1]
 
 
 def test_int8_matrices_are_cached_beside_the_random_weights(weight_cache):

@@ -156,7 +156,8 @@ def int8_decode_paths(paths: ComputePaths, activation_dtype: torch.dtype) -> Com
         return PhasePath(path.dtype, f"[inference] weight_dtype = \"int8\": {dtype_name(activation_dtype)} rows "
                                      f"through torch's int8 weight-only kernel, the rest of the step in "
                                      f"{dtype_name(path.dtype)}", kernel=INT8)
-    return dataclasses.replace(paths, decode=int8(paths.decode), batched_decode=int8(paths.batched_decode))
+    return dataclasses.replace(paths, decode=int8(paths.decode), batched_decode=int8(paths.batched_decode),
+                               packed_prefill_rows=0, packed_prefill_reason="int8 weights: nothing is packed")
 
 
 # ---- what the machine is -----------------------------------------------------------------------------------
