@@ -139,9 +139,10 @@ class Engine:
         ids = torch.tensor([prompt[start:end]], device=self.device)  # [1, T]: positions not reused, one pass
         positions = torch.arange(start, end, device=self.device)  # [T]
         path = self.prefill_path_for(batched, end - start)
+        packed = contextlib.nullcontext()
         if path.kernel == FBGEMM:
             self.prepare_batched_decode()  # packs the weights, once
-        packed = packed_products() if path.kernel == FBGEMM else contextlib.nullcontext()
+            packed = packed_products()
         with torch.inference_mode(), packed:
             logits = self.model(ids, positions, cache, compute_dtype=path.dtype)  # [1, 1, vocab]
         if self.prefix_caching:
