@@ -219,7 +219,8 @@ def test_generate_json_says_which_path_ran_and_why(tmp_path):
                             timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert out["dtype"] == "float16" and out["paths"]["source"] == "measured"
+    # "measured", or "measured on a busy machine, not cached" where other processes took the CPUs meanwhile
+    assert out["dtype"] == "float16" and out["paths"]["source"].startswith("measured")
     assert out["paths"]["decode"]["dtype"] in {"float16", "bfloat16", "float32"}
     assert out["paths"]["decode"]["reason"].startswith("measured")
     assert out["paths"]["weight_bytes_kept"] >= out["paths"]["weight_bytes_values"] > 0

@@ -140,6 +140,12 @@ def fbgemm_available(device: torch.device) -> bool:
     return device.type == "cpu" and FBGEMM in torch.backends.quantized.supported_engines
 
 
+def fbgemm_serves(weight_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether FBGEMM's float16 kernel is a candidate for these weights: it holds float16 values exactly, so the
+    weights must be float16 (kvbook.runtime.paths measures it; the bench counts it in the compute floor)."""
+    return weight_dtype == torch.float16 and fbgemm_available(device)
+
+
 def pack_float16(weight: torch.Tensor) -> list:
     """weight [out, in] -> FBGEMM's packed float16 matrices of at most PACK_ROWS rows each (the values are the
     weight's, rounded to float16 if they were not already)."""

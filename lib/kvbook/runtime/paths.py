@@ -39,7 +39,7 @@ from torch.nn import functional as F
 
 from ..config import Config
 from ..device import TORCH_DTYPES, synchronize
-from ..model.linear import FBGEMM, FBGEMM_LABEL, fbgemm_available, padded_rows, product_for
+from ..model.linear import FBGEMM, FBGEMM_LABEL, fbgemm_available, fbgemm_serves, padded_rows, product_for
 from ..model.quant import INT8
 from ..model.weights import cache_dir
 
@@ -400,7 +400,7 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
     weight_dtype = TORCH_DTYPES[config.inference.dtype]
     kernels = {dtype_name(d): (d, "torch") for d in candidates(weight_dtype)}  # label -> (dtype, kernel)
     batched_kernels = dict(kernels)
-    if weight_dtype == torch.float16 and fbgemm_available(device):  # FBGEMM holds float16 values exactly
+    if fbgemm_serves(weight_dtype, device):
         batched_kernels[FBGEMM_LABEL] = (torch.float32, FBGEMM)
     prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
     batch_rows = _batch_rows(config)
