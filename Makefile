@@ -1,6 +1,7 @@
 # make test      -- set up .venv (pinned requirements.txt); run the linter, every chapter under nbval (first, so
 #                  that on a new machine chapter 1 draws the weights), the unit tests, the chapters that print
 #                  tokens again under other CPU kernels, the book build (zero warnings) and the browser test
+# make venv      -- set up .venv from the pinned requirements.txt (nothing else)
 # make book      -- set up .venv and build the rendered book from the committed notebook outputs (_build/html)
 # make chapters  -- re-execute every chapter on this machine's device and save the outputs (the canonical
 #                   run on a CPU machine; on a GPU it gives you your own numbers), then build the book
