@@ -9,7 +9,7 @@ import kvbook.tools.roofline as roofline_module
 import pytest
 import torch
 from kvbook.config import Config, ModelConfig, load_config
-from kvbook.model.linear import FBGEMM, fbgemm_available
+from kvbook.model.linear import FBGEMM, fbgemm_available, onednn_available
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.paths import PhasePath
 from kvbook.tools.bench import decode_weight_bytes, ratios
@@ -41,9 +41,11 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
         (floors["decode_weight_bytes"] + floors["decode_kv_bytes"]) / floors["read_gbps"] / 1e6)
     assert out["compute_floor_ms"] == pytest.approx(floors["prefill_flops"] / floors["peak_gflops"] / 1e6)
     assert floors["peak_gflops"] == max(out["kernels"][d]["matmul_gflops"] for d in floors["compute_dtypes"])
-    assert floors["compute_dtypes"] == ["float32"]  # float32 weights: FBGEMM's float16 kernel would round them
+    # float32 weights: FBGEMM's float16 kernel would round them; oneDNN's float32 product may serve prefill
+    onednn = ["onednn-float32"] if onednn_available(torch.device("cpu")) else []
+    assert floors["compute_dtypes"] == ["float32", *onednn]
     fbgemm = {"fbgemm-float16"} if fbgemm_available(torch.device("cpu")) else set()  # a batched step's candidate
-    assert set(out["kernels"]) == {"float16", "bfloat16", "float32"} | fbgemm
+    assert set(out["kernels"]) == {"float16", "bfloat16", "float32"} | fbgemm | set(onednn)
     assert all(v > 0 for k in out["kernels"].values() for v in k.values())
     assert set(out["transformers_by_dtype"]) == {"float32", "bfloat16"}  # the config's dtype and bfloat16
     best = out["transformers"]

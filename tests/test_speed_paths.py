@@ -12,10 +12,13 @@ from kvbook.model.linear import (
     add_copies,
     batch_invariant_rows,
     fbgemm_available,
+    onednn_available,
+    onednn_linear,
     pack_model,
     packed_linear,
     packed_products,
     split_long_inputs,
+    use_onednn,
     weight_bytes_kept,
 )
 from kvbook.model.weights import load_random_weights, prefill_weight_names, random_weights_path, wait_for_saves
@@ -54,8 +57,11 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache, monkeypatc
         assert path.dtype in candidates(torch.float16)
         # a batched step may also multiply float32 rows by float16 weights packed for FBGEMM (an x86 torch has it)
         fbgemm = {"fbgemm-float16"} if phase == "batched_decode" and fbgemm_available(CPU) else set()
-        assert set(path.estimated_ms) == {"float16", "bfloat16", "float32"} | fbgemm
+        # prefill may multiply its float32 copy through oneDNN's inner product (a CPU build of torch has it)
+        onednn = {"onednn-float32"} if phase == "prefill" and onednn_available(CPU) else set()
+        assert set(path.estimated_ms) == {"float16", "bfloat16", "float32"} | fbgemm | onednn
         assert (path.kernel == "fbgemm") == (path.label == "fbgemm-float16")
+        assert (path.kernel == "onednn") == (path.label == "onednn-float32")
         assert path.kernel == "torch" or path.dtype == torch.float32
         fastest = min(path.estimated_ms, key=path.estimated_ms.get)
         chosen = path.label
@@ -327,5 +333,48 @@ def test_packed_prefill_rows_is_the_longest_prompt_fbgemm_wins_at(monkeypatch):
         timed = dict(zip(paths.PACKED_PREFILL_PROBES, packed_ms, strict=True))
         monkeypatch.setattr(paths, "estimate_prefill_ms", lambda config, n, dtype, device, best_ms=0, weights=None,
                             kernel="torch", timed=timed: timed[n] if kernel == "fbgemm" else 10.0)
-        found, reason = paths.packed_prefill_rows(cfg, torch.float32, CPU)
+        found, reason = paths.packed_prefill_rows(cfg, paths.PhasePath(torch.float32, "fixed"), CPU)
         assert found == rows and reason.startswith("measured") and "16 rows fbgemm-float16" in reason
+
+
+needs_onednn = pytest.mark.skipif(not onednn_available(CPU), reason="torch built without oneDNN")
+
+
+@needs_onednn
+def test_a_layer_marked_for_onednn_multiplies_several_float32_rows_through_it():
+    layer = Linear(4096, 512, dtype=torch.float16)
+    layer.weight.data = (torch.randn(512, 4096) * 0.02).half()
+    copy = layer.weight.float()
+    layer.copies[torch.float32] = copy
+    x = torch.randn(1, 20, 4096)  # [batch, prompt rows, in], as prefill passes it
+    assert torch.equal(layer(x), torch.nn.functional.linear(x[0], copy)[None])  # not marked: F.linear
+    use_onednn(layer, torch.float32)
+    assert layer.onednn_dtype == torch.float32
+    out = layer(x)
+    # the same values up to the order of the sums: within float32 rounding of the exact product
+    exact = torch.nn.functional.linear(x[0].double(), copy.double())
+    assert out.shape == (1, 20, 512) and (out[0].double() - exact).abs().max() < 1e-4
+    assert torch.equal(out[0], onednn_linear(x[0], copy))  # exactly oneDNN's product
+    # a lone row and a batched step keep F.linear, as kvbook.runtime.paths measured them
+    assert torch.equal(layer(x[0, :1]), torch.nn.functional.linear(x[0, :1], copy))
+    with batch_invariant_rows(4):
+        assert torch.equal(layer(x[0, :4]), torch.nn.functional.linear(x[0, :4], copy))
+    assert torch.equal(layer(x.half()), torch.nn.functional.linear(x.half(), layer.weight))  # other dtypes too
+
+
+@needs_onednn
+def test_an_onednn_prefill_is_the_models_so_a_hand_run_call_gets_the_engines_numbers(weight_cache):
+    # chapters 3, 4 and 5 compare the engine's prefill with their own engine.model(...) call exactly
+    paths = fixed_paths(torch.float32, torch.float16, torch.float16, prefill_kernel="onednn")
+    engine = Engine(small_config(dtype="float16", max_positions=64), progress=False, paths=paths)
+    assert engine.paths.prefill.label == "onednn-float32" and "prefill: onednn-float32" in engine.paths.describe()[0]
+    marked = [m.onednn_dtype for m in engine.model.modules() if isinstance(m, Linear)]
+    assert marked and set(marked) == {torch.float32}
+    logits, _ = engine.prefill(engine.new_cache(), PROMPT)
+    ids, positions = torch.tensor([PROMPT]), torch.arange(len(PROMPT))
+    by_hand = engine.model(ids, positions, engine.new_cache(), compute_dtype=engine.prefill_dtype)
+    assert torch.equal(logits, by_hand)
+    plain = Engine(small_config(dtype="float16", max_positions=64), progress=False,
+                   paths=fixed_paths(torch.float32, torch.float16, torch.float16))
+    assert {m.onednn_dtype for m in plain.model.modules() if isinstance(m, Linear)} == {None}
+    torch.testing.assert_close(plain.prefill(plain.new_cache(), PROMPT)[0], logits, atol=1e-4, rtol=1e-4)

@@ -20,6 +20,13 @@ faster than F.linear in any dtype; kvbook.runtime.paths measures whether. Packin
 seconds for this model), so only a scheduler that batches asks for it (kvbook.runtime.engine), and then its short
 prompts' prefill may multiply by the packed weights too. Products of float32 rows go through them inside
 `packed_products()`.
+
+Prefill may multiply its float32 copy through oneDNN's own inner product (`onednn_dtype`), the op torch's
+Inductor calls on a CPU, instead of F.linear (MKL on x86): on some CPUs it runs a few rows several times faster and
+256 rows faster too, with no packing and no extra copy; kvbook.runtime.paths measures whether ("onednn-float32").
+The choice belongs to the layer, not to a phase's context, so that every call of the model (the engine's, or a
+chapter's own `engine.model(...)`) computes a product of several float32 rows the same way. A lone row and a
+batched step keep F.linear, as kvbook.runtime.paths measured them.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ SPLIT_WIDTH = 8192  # column blocks of a split matrix are at most this wide
 PACK_ROWS = 4096
 FBGEMM = "fbgemm"  # the kernel name kvbook.runtime.paths gives a phase that multiplies packed weights
 FBGEMM_LABEL = "fbgemm-float16"  # how that phase is shown: float32 rows, float16 weights packed for FBGEMM
+ONEDNN = "onednn"  # the kernel name of a prefill that multiplies its float32 copy through oneDNN's inner product
+ONEDNN_LABEL = "onednn-float32"
 
 _state = threading.local()  # how this thread's products run now: `multiple` (padding) and `packed` (FBGEMM)
 
@@ -82,6 +91,7 @@ class Linear(nn.Linear):
         # dtype of the layers' activations (kvbook.runtime.paths' decode choice)
         self.row_dtype: torch.dtype | None = None
         self.packed: list | None = None  # the weight packed for FBGEMM, in row blocks: a batched step's (`pack`)
+        self.onednn_dtype: torch.dtype | None = None  # products of several rows in this dtype go through oneDNN
 
     def reset_parameters(self) -> None:
         """No random init: weights always come from kvbook.model.weights (drawn from the config's seed or loaded)."""
@@ -123,8 +133,16 @@ class Linear(nn.Linear):
             parts = x.split(blocks[0].shape[1], dim=-1)
             out = sum(F.linear(part, block) for part, block in zip(parts, blocks, strict=True))
         else:
-            out = F.linear(x, weight)
+            out = several_rows_product(x, weight, self.onednn_dtype)
         return out.reshape(*leading, self.out_features)
+
+
+def several_rows_product(x: torch.Tensor, weight: torch.Tensor, onednn_dtype: torch.dtype | None) -> torch.Tensor:
+    """x [rows, in] times weight [out, in] outside a batched step: oneDNN's inner product for several rows in
+    onednn_dtype (a prefill whose measured kernel it is), F.linear otherwise."""
+    if x.dtype == onednn_dtype and x.shape[0] > 1:
+        return onednn_linear(x, weight)
+    return F.linear(x, weight)
 
 
 def padded_rows(x: torch.Tensor, multiple: int, product) -> torch.Tensor:
@@ -138,6 +156,26 @@ def padded_rows(x: torch.Tensor, multiple: int, product) -> torch.Tensor:
 def fbgemm_available(device: torch.device) -> bool:
     """Whether torch was built with FBGEMM (x86 CPUs) and the weights live on a CPU."""
     return device.type == "cpu" and FBGEMM in torch.backends.quantized.supported_engines
+
+
+def onednn_available(device: torch.device) -> bool:
+    """Whether torch was built with oneDNN (its CPU builds are) and the weights live on a CPU."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                                                      "_linear_pointwise")
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] times weight [out, in] -> [rows, out] through oneDNN's inner product (the op Inductor's CPU code
+    calls; the same values as F.linear up to the order of the sums)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def use_onednn(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every floating (and int8 layer's prefill) product of several rows in dtype goes through oneDNN from now on,
+    whoever calls the model (the engine whose prefill measured it fastest sets it; kvbook.runtime.engine)."""
+    for module in model.modules():
+        if hasattr(module, "onednn_dtype"):
+            module.onednn_dtype = dtype
 
 
 def fbgemm_serves(weight_dtype: torch.dtype, device: torch.device) -> bool:
@@ -165,10 +203,12 @@ def packed_linear(x: torch.Tensor, packed: list) -> torch.Tensor:
 
 
 def product_for(weight: torch.Tensor, kernel: str = "torch"):
-    """x [rows, in] -> x times weight [out, in]: F.linear, or with kernel FBGEMM the weight packed once and x float32
-    (kvbook.runtime.paths times and checks each candidate through this)."""
+    """x [rows, in] -> x times weight [out, in]: F.linear, with kernel FBGEMM the weight packed once and x float32,
+    with kernel ONEDNN oneDNN's inner product (kvbook.runtime.paths times and checks each candidate through this)."""
     if kernel == FBGEMM:
         return partial(packed_linear, packed=pack_float16(weight))
+    if kernel == ONEDNN:
+        return partial(onednn_linear, weight=weight)
     return partial(F.linear, weight=weight)
 
 

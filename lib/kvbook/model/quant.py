@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import QuantizationError
-from .linear import Linear
+from .linear import Linear, several_rows_product
 
 INT8_MAX = 127
 INT8 = "int8"  # the kernel name kvbook.runtime.paths gives a decode phase that reads these int8 matrices
@@ -93,6 +93,7 @@ class Int8Linear(nn.Module):
         # the floating weight's values in the dtypes a product of many rows computes in (prefill's copy,
         # kvbook.model.weights), as kvbook.model.linear.Linear keeps them; empty: dequantize for the call
         self.copies: dict[torch.dtype, torch.Tensor] = dict(copies or {})
+        self.onednn_dtype: torch.dtype | None = None  # as Linear's: prefill products in it go through oneDNN
 
     @classmethod
     def from_linear(cls, linear: Linear, act_dtype: torch.dtype, name: str = "weight") -> Int8Linear:
@@ -113,7 +114,9 @@ class Int8Linear(nn.Module):
         if rows > DECODE_ROWS:  # prefill: a matrix product, on the floating copy or a dequantized one
             copy = self.copies.get(x.dtype, next(iter(self.copies.values()), None))
             if copy is not None:
-                return F.linear(x.to(copy.dtype), copy)
+                flat = x.reshape(rows, self.in_features).to(copy.dtype)  # [rows, in]
+                out = several_rows_product(flat, copy, self.onednn_dtype)  # [rows, out]
+                return out.reshape(*x.shape[:-1], self.out_features)
             return F.linear(x, dequantize(self.qweight, self.scale, x.dtype))
         flat = x.reshape(rows, self.in_features).to(self.scale.dtype)  # [B, in]
         out = int8_matmul(flat, self.qweight, self.scale)  # [B, out]

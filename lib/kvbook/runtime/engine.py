@@ -22,11 +22,13 @@ from ..device import TORCH_DTYPES, enable_huge_pages, resolve_device, synchroniz
 from ..model import quant
 from ..model.linear import (
     FBGEMM,
+    ONEDNN,
     add_copies,
     batch_invariant_rows,
     pack_model,
     packed_products,
     split_long_inputs,
+    use_onednn,
     weight_bytes_kept,
 )
 from ..model.qwen3 import Qwen3ForCausalLM
@@ -85,6 +87,8 @@ class Engine:
                 model.lm_head.row_dtype = self.decode_dtype  # prefill's last position is one row too
                 if self.paths.split_wide_rows:
                     split_long_inputs(model, self.decode_dtype)
+            if self.paths.prefill.kernel == ONEDNN:  # every caller's product of several float32 rows, not only ours
+                use_onednn(model, self.prefill_dtype)
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config

@@ -17,7 +17,11 @@ reads 2 bytes per weight. Packing takes seconds for the article's model, so only
 long-running server or batch job builds once, is offered it; a lone step and prefill are built with every engine.
 Once a batching scheduler has the packed weights, its prefill may use them too: on some CPUs float32's product
 of a few prompt rows is several times slower than FBGEMM's (a 20-token chat prompt), so the measurement also
-finds up to how many prompt rows FBGEMM beats prefill's own dtype (`packed_prefill_rows`; 0: never).
+finds up to how many prompt rows FBGEMM beats prefill's own path (`packed_prefill_rows`; 0: never).
+
+Prefill has one more candidate where torch has oneDNN (its CPU builds): the float32 copy multiplied through oneDNN's
+own inner product instead of F.linear ("onednn-float32", kvbook.model.linear). It needs no packing, so every
+engine may use it; a lone row and a batched step keep F.linear.
 
 [inference] prefill_dtype pins prefill's dtype ("auto" = measured). The appendix ("Making it fast on a CPU") shows
 the choice.
@@ -39,12 +43,22 @@ from torch.nn import functional as F
 
 from ..config import Config
 from ..device import TORCH_DTYPES, synchronize
-from ..model.linear import FBGEMM, FBGEMM_LABEL, fbgemm_available, fbgemm_serves, padded_rows, product_for
+from ..model.linear import (
+    FBGEMM,
+    FBGEMM_LABEL,
+    ONEDNN,
+    ONEDNN_LABEL,
+    fbgemm_available,
+    fbgemm_serves,
+    onednn_available,
+    padded_rows,
+    product_for,
+)
 from ..model.quant import INT8
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 6  # bump when what is measured changes, so old choices are measured again
+PATHS_VERSION = 7  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
 MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
@@ -76,7 +90,8 @@ def candidates(weight_dtype: torch.dtype) -> list[torch.dtype]:
 @dataclasses.dataclass(frozen=True)
 class PhasePath:
     """One phase's arithmetic: its dtype (the activations'), its kernel ("torch": F.linear on the weights or their
-    copy in dtype; "fbgemm": float32 rows times the float16 weights packed for FBGEMM; "int8": the int8 matrices of
+    copy in dtype; "fbgemm": float32 rows times the float16 weights packed for FBGEMM; "onednn": F.linear replaced by
+    oneDNN's inner product for several rows (prefill's float32 copy); "int8": the int8 matrices of
     kvbook.model.quant, dtype being that of the rest of the step), why, and the estimate per candidate that decided
     it."""
 
@@ -87,9 +102,10 @@ class PhasePath:
 
     @property
     def label(self) -> str:
-        """'float16', 'bfloat16', 'float32', 'fbgemm-float16' (float32 rows, float16 weights packed for FBGEMM) or
-        'int8' (int8 weights, kvbook.model.quant)."""
-        return {FBGEMM: FBGEMM_LABEL, INT8: INT8}.get(self.kernel, dtype_name(self.dtype))
+        """'float16', 'bfloat16', 'float32', 'fbgemm-float16' (float32 rows, float16 weights packed for FBGEMM),
+        'onednn-float32' (the float32 copy through oneDNN's inner product) or 'int8' (int8 weights,
+        kvbook.model.quant)."""
+        return {FBGEMM: FBGEMM_LABEL, ONEDNN: ONEDNN_LABEL, INT8: INT8}.get(self.kernel, dtype_name(self.dtype))
 
     def to_json(self) -> dict:
         return {"dtype": dtype_name(self.dtype), "kernel": self.kernel, "label": self.label, "reason": self.reason,
@@ -141,10 +157,11 @@ class ComputePaths:
 
 
 def fixed_paths(prefill: torch.dtype, decode: torch.dtype, batched: torch.dtype, reason: str = "fixed",
-                batch_row_multiple: int = 1, batched_kernel: str = "torch") -> ComputePaths:
-    """Paths chosen by the caller (tests, or a machine where nothing needs measuring); batched_kernel FBGEMM needs
-    batched = float32."""
-    return ComputePaths(PhasePath(prefill, reason), PhasePath(decode, reason),
+                batch_row_multiple: int = 1, batched_kernel: str = "torch",
+                prefill_kernel: str = "torch") -> ComputePaths:
+    """Paths chosen by the caller (tests, or a machine where nothing needs measuring); batched_kernel FBGEMM and
+    prefill_kernel ONEDNN need float32 for their phase."""
+    return ComputePaths(PhasePath(prefill, reason, kernel=prefill_kernel), PhasePath(decode, reason),
                         PhasePath(batched, reason, kernel=batched_kernel), "fixed",
                         batch_row_multiple=batch_row_multiple, batch_row_reason=reason)
 
@@ -402,13 +419,16 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
     batched_kernels = dict(kernels)
     if fbgemm_serves(weight_dtype, device):
         batched_kernels[FBGEMM_LABEL] = (torch.float32, FBGEMM)
+    prefill_kernels = dict(kernels)
+    if onednn_available(device) and torch.float32 in candidates(weight_dtype):
+        prefill_kernels[ONEDNN_LABEL] = (torch.float32, ONEDNN)
     prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
     batch_rows = _batch_rows(config)
     timing = TimingWeights(device)
     phases = {
-        "prefill": (f"{prefill_rows} prompt rows through the layers", kernels,
+        "prefill": (f"{prefill_rows} prompt rows through the layers", prefill_kernels,
                     lambda dtype, kernel, best: estimate_prefill_ms(config, prefill_rows, dtype, device, best,
-                                                                    weights=timing)),
+                                                                    weights=timing, kernel=kernel)),
         "decode": ("one row through the layers and lm_head", kernels,
                    lambda dtype, kernel, best: estimate_ms(config, 1, dtype, device, lm_head=True, weights=timing)),
         "batched_decode": (f"{batch_rows} rows through the layers and lm_head", batched_kernels,
@@ -439,15 +459,15 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
     multiple, multiple_reason = invariant_row_multiple(config, batched.dtype, device, batch_rows, batched.kernel)
     packed_rows, packed_reason = 0, "the batched step does not pack its weights"
     if batched.kernel == FBGEMM:
-        packed_rows, packed_reason = packed_prefill_rows(config, chosen["prefill"].dtype, device, timing)
+        packed_rows, packed_reason = packed_prefill_rows(config, chosen["prefill"], device, timing)
     return ComputePaths(chosen["prefill"], chosen["decode"], batched, "measured",
                         time.perf_counter() - started, split, split_reason, multiple, multiple_reason,
                         packed_prefill_rows=packed_rows, packed_prefill_reason=packed_reason)
 
 
-def packed_prefill_rows(config: Config, prefill_dtype: torch.dtype, device: torch.device,
+def packed_prefill_rows(config: Config, prefill: PhasePath, device: torch.device,
                         weights: TimingWeights | None = None) -> tuple[int, str]:
-    """Up to how many prompt rows FBGEMM's packed float16 weights multiply faster than prefill's dtype, timed at
+    """Up to how many prompt rows FBGEMM's packed float16 weights multiply faster than prefill's path, timed at
     PACKED_PREFILL_PROBES rows (capped by the model's positions): the largest probe at and below which FBGEMM
     always won, every length when it won at the largest probe, 0 when it lost at the smallest (or a longer
     prompt's product would have to be extrapolated: FBGEMM's lead shrinks with the rows on some CPUs)."""
@@ -455,9 +475,9 @@ def packed_prefill_rows(config: Config, prefill_dtype: torch.dtype, device: torc
     probes = sorted({min(rows, limit) for rows in PACKED_PREFILL_PROBES})
     rows_won, timings = 0, []
     for rows in probes:
-        own = estimate_prefill_ms(config, rows, prefill_dtype, device, weights=weights)
+        own = estimate_prefill_ms(config, rows, prefill.dtype, device, weights=weights, kernel=prefill.kernel)
         packed = estimate_prefill_ms(config, rows, torch.float32, device, weights=weights, kernel=FBGEMM)
-        timings.append(f"{rows} rows {FBGEMM_LABEL} {packed:.1f} ms, {dtype_name(prefill_dtype)} {own:.1f} ms")
+        timings.append(f"{rows} rows {FBGEMM_LABEL} {packed:.1f} ms, {prefill.label} {own:.1f} ms")
         if packed >= own:
             break
         rows_won = rows
@@ -548,7 +568,8 @@ KERNEL_MATMUL = (256, 4096, 11008)  # prompt rows x inputs x outputs: one gate_p
 
 
 def kernel_table(device: torch.device, dtypes: list[torch.dtype], repeats: int = 5) -> dict:
-    """Per dtype (and FBGEMM's float16 kernel where torch has it, "fbgemm-float16": float32 rows, float16 weights):
+    """Per dtype (and FBGEMM's float16 kernel where torch has it, "fbgemm-float16": float32 rows, float16 weights;
+    oneDNN's float32 inner product, "onednn-float32"):
     a matrix-vector product and 8 rows over 32768 x 4096 (GB/s of the weight read), and a 256 x 4096 x 11008
     matrix product (GFLOP/s). One random draw serves every kernel (TimingWeights)."""
     rows_out, width = KERNEL_MATVEC
@@ -558,6 +579,8 @@ def kernel_table(device: torch.device, dtypes: list[torch.dtype], repeats: int =
     kernels = [(dtype_name(d), d, "torch", torch.finfo(d).bits // 8) for d in dtypes]
     if fbgemm_available(device):
         kernels.append((FBGEMM_LABEL, torch.float32, FBGEMM, 2))
+    if onednn_available(device) and torch.float32 in dtypes:
+        kernels.append((ONEDNN_LABEL, torch.float32, ONEDNN, 4))
     table = {}
     for name, dtype, kernel, size in kernels:
         weight_bytes = rows_out * width * size

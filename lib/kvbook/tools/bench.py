@@ -35,7 +35,7 @@ import torch
 from ..cache.memory import kv_cache_bytes
 from ..config import Config
 from ..device import TORCH_DTYPES, resolve_device, synchronize
-from ..model.linear import FBGEMM_LABEL, fbgemm_serves
+from ..model.linear import FBGEMM_LABEL, ONEDNN_LABEL, fbgemm_serves
 from ..model.quant import int8_weight_bytes
 from ..model.weights import expected_shapes
 from ..runtime.paths import candidates, cpu_identity, dtype_name, kernel_table, paths_cache_dir, read_bandwidth_gbps
@@ -97,6 +97,8 @@ def machine_worker(config: Config, repeats: int) -> dict:
     usable = [dtype_name(d) for d in candidates(TORCH_DTYPES[config.inference.dtype])]
     if fbgemm_serves(TORCH_DTYPES[config.inference.dtype], device):  # batched steps and a server's prefill may
         usable.append(FBGEMM_LABEL)  # multiply by the packed float16 weights (kvbook.runtime.paths)
+    if ONEDNN_LABEL in kernels:  # prefill may multiply its float32 copy through oneDNN (kvbook.runtime.paths)
+        usable.append(ONEDNN_LABEL)
     best = max(usable, key=lambda name: kernels[name]["matmul_gflops"])
     return {**read, "kernels": kernels, "compute_dtypes": usable, "peak_gflops": kernels[best]["matmul_gflops"],
             "peak_gflops_dtype": best,
