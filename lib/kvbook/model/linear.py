@@ -133,14 +133,16 @@ class Linear(nn.Linear):
             parts = x.split(blocks[0].shape[1], dim=-1)
             out = sum(F.linear(part, block) for part, block in zip(parts, blocks, strict=True))
         else:
-            out = several_rows_product(x, weight, self.onednn_dtype)
+            out = several_rows_product(x, weight, self.onednn_dtype, rows)
         return out.reshape(*leading, self.out_features)
 
 
-def several_rows_product(x: torch.Tensor, weight: torch.Tensor, onednn_dtype: torch.dtype | None) -> torch.Tensor:
+def several_rows_product(x: torch.Tensor, weight: torch.Tensor, onednn_dtype: torch.dtype | None,
+                         rows: int) -> torch.Tensor:
     """x [rows, in] times weight [out, in] outside a batched step: oneDNN's inner product for several rows in
-    onednn_dtype (a prefill whose measured kernel it is), F.linear otherwise."""
-    if x.dtype == onednn_dtype and x.shape[0] > 1:
+    onednn_dtype (a prefill whose measured kernel it is), F.linear otherwise. The row count is checked first: a
+    decode step's row makes the same torch calls whatever prefill chose (the appendix counts them)."""
+    if rows > 1 and x.dtype == onednn_dtype:
         return onednn_linear(x, weight)
     return F.linear(x, weight)
 

@@ -115,7 +115,7 @@ class Int8Linear(nn.Module):
             copy = self.copies.get(x.dtype, next(iter(self.copies.values()), None))
             if copy is not None:
                 flat = x.reshape(rows, self.in_features).to(copy.dtype)  # [rows, in]
-                out = several_rows_product(flat, copy, self.onednn_dtype)  # [rows, out]
+                out = several_rows_product(flat, copy, self.onednn_dtype, rows)  # [rows, out]
                 return out.reshape(*x.shape[:-1], self.out_features)
             return F.linear(x, dequantize(self.qweight, self.scale, x.dtype))
         flat = x.reshape(rows, self.in_features).to(self.scale.dtype)  # [B, in]
