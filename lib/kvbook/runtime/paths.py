@@ -420,7 +420,7 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
     if fbgemm_serves(weight_dtype, device):
         batched_kernels[FBGEMM_LABEL] = (torch.float32, FBGEMM)
     prefill_kernels = dict(kernels)
-    if onednn_available(device) and torch.float32 in candidates(weight_dtype):
+    if onednn_available(device):  # float32 is a candidate for every weight dtype the config allows
         prefill_kernels[ONEDNN_LABEL] = (torch.float32, ONEDNN)
     prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
     batch_rows = _batch_rows(config)
