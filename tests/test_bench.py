@@ -56,6 +56,7 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
     assert ratios["ttft_vs_compute_floor"] == round(out["ttft_ms"] / out["compute_floor_ms"], 3)
     assert ratios["kv_cache_bytes_exact"] is True
     assert out["paths"]["decode"]["label"] == out["decode_dtype"] and len(out["paths_text"]) == 6
+    assert out["paths"]["prefill"]["label"] == out["prefill_dtype"]  # the kernel too, as the other phases' labels
     assert "kvbook bench: [1/" in result.stderr  # progress lines
 
 
@@ -103,6 +104,7 @@ def test_roofline_json_on_a_tiny_model(tmp_path):
     assert q_decode["bytes"] == 64 * 64 * 4 + (64 + 64) * 4  # float32 weight, one position in and out
     assert q_prefill["intensity"] > 10 * q_decode["intensity"]
     assert out["intensity"]["prefill"] > out["intensity"]["decode"]
+    assert out["prefill_dtype"] in {"float16", "bfloat16", "float32", "onednn-float32"}  # a path label, no "torch."
     assert 0 < out["lm_head_share_of_decode"] < 1 and out["bound"]["decode"] == "memory"
     assert all(row["ms"] >= 0 for row in out["prefill"] + out["decode"])
 

@@ -136,7 +136,7 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
     cache = engine.new_cache()
     engine.prefill(cache, prompt)  # one prefill more, to weigh the cache it fills
     return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
-            "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": str(engine.prefill_dtype),
+            "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": engine.paths.prefill.label,
             "decode_dtype": engine.paths.decode.label,
             "batched_decode_dtype": engine.paths.batched_decode.label,
             "paths": engine.describe_paths(), "paths_text": engine.paths.describe(),

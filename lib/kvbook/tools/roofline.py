@@ -175,8 +175,8 @@ def roofline(engine: Engine, prompt_len: int | None = None, repeats: int = 3) ->
     lm_head = next(r for r in phases["decode"] if r["op"] == "lm_head")
     return {"prefill": phases["prefill"], "decode": phases["decode"], "prompt_len": prompt_len,
             "peak_gflops": peak_compute_gflops(engine), "device": str(engine.device),
-            "prefill_dtype": str(engine.prefill_dtype).removeprefix("torch."),
-            "decode_dtype": str(engine.decode_dtype).removeprefix("torch."),
+            "prefill_dtype": engine.paths.prefill.label,
+            "decode_dtype": engine.paths.decode.label,
             "lm_head_share_of_decode": lm_head["ms"] / decode_ms,
             "intensity": {phase: sum(r["flops"] for r in rows) / sum(r["bytes"] for r in rows)
                           for phase, rows in phases.items()}}
