@@ -378,3 +378,8 @@ def test_an_onednn_prefill_is_the_models_so_a_hand_run_call_gets_the_engines_num
                    paths=fixed_paths(torch.float32, torch.float16, torch.float16))
     assert {m.onednn_dtype for m in plain.model.modules() if isinstance(m, Linear)} == {None}
     torch.testing.assert_close(plain.prefill(plain.new_cache(), PROMPT)[0], logits, atol=1e-4, rtol=1e-4)
+    # an engine built on the first one's model takes its own kernel, as it takes its own copies
+    shared = Engine(small_config(dtype="float16", max_positions=64), model=engine.model, progress=False,
+                    paths=fixed_paths(torch.float32, torch.float16, torch.float16))
+    assert {m.onednn_dtype for m in shared.model.modules() if isinstance(m, Linear)} == {None}
+    assert torch.equal(shared.prefill(shared.new_cache(), PROMPT)[0], plain.prefill(plain.new_cache(), PROMPT)[0])

@@ -172,9 +172,10 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-def use_onednn(model: nn.Module, dtype: torch.dtype) -> None:
+def use_onednn(model: nn.Module, dtype: torch.dtype | None) -> None:
     """Every floating (and int8 layer's prefill) product of several rows in dtype goes through oneDNN from now on,
-    whoever calls the model (the engine whose prefill measured it fastest sets it; kvbook.runtime.engine)."""
+    whoever calls the model (the engine whose prefill measured it fastest sets it; kvbook.runtime.engine); None:
+    through F.linear."""
     for module in model.modules():
         if hasattr(module, "onednn_dtype"):
             module.onednn_dtype = dtype

@@ -87,8 +87,9 @@ class Engine:
                 model.lm_head.row_dtype = self.decode_dtype  # prefill's last position is one row too
                 if self.paths.split_wide_rows:
                     split_long_inputs(model, self.decode_dtype)
-            if self.paths.prefill.kernel == ONEDNN:  # every caller's product of several float32 rows, not only ours
-                use_onednn(model, self.prefill_dtype)
+            # every caller's product of several prefill rows follows this engine's kernel, not only ours; a model
+            # shared with an earlier engine takes this one's choice, as it takes its copies and lm_head's row dtype
+            use_onednn(model, self.prefill_dtype if self.paths.prefill.kernel == ONEDNN else None)
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config
