@@ -340,6 +340,21 @@ def test_packed_prefill_rows_is_the_longest_prompt_fbgemm_wins_at(monkeypatch):
 needs_onednn = pytest.mark.skipif(not onednn_available(CPU), reason="torch built without oneDNN")
 
 
+def test_onednn_is_a_candidate_only_where_its_product_runs(monkeypatch):
+    import kvbook.model.linear as linear
+
+    def no_primitive(x, weight):  # what another architecture's oneDNN build may answer
+        raise RuntimeError("could not create a primitive descriptor")
+
+    monkeypatch.setattr(linear, "onednn_linear", no_primitive)
+    linear._onednn_runs.cache_clear()
+    try:
+        assert not linear.onednn_available(CPU)  # the paths then offer prefill no oneDNN candidate
+    finally:
+        linear._onednn_runs.cache_clear()
+    assert not linear.onednn_available(torch.device("meta"))  # not a CPU
+
+
 @needs_onednn
 def test_a_layer_marked_for_onednn_multiplies_several_float32_rows_through_it():
     layer = Linear(4096, 512, dtype=torch.float16)

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from functools import cache, partial
 
 import torch
 from torch import nn
@@ -161,9 +161,19 @@ def fbgemm_available(device: torch.device) -> bool:
 
 
 def onednn_available(device: torch.device) -> bool:
-    """Whether torch was built with oneDNN (its CPU builds are) and the weights live on a CPU."""
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                                                      "_linear_pointwise")
+    """Whether torch was built with oneDNN (its CPU builds are), the weights live on a CPU, and the op runs here."""
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and _onednn_runs()
+
+
+@cache
+def _onednn_runs() -> bool:
+    """One tiny product: a build may register the op yet have no float32 primitive for this CPU (another
+    architecture's oneDNN), and the paths must then not offer it rather than fail on every engine."""
+    try:
+        x, weight = torch.ones(2, 8), torch.ones(4, 8)  # [rows, in], [out, in]
+        return torch.equal(onednn_linear(x, weight), F.linear(x, weight))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
