@@ -4,6 +4,7 @@ how the arithmetic is done, not what is computed: checked against the plain floa
 
 import dataclasses
 import json
+from shutil import rmtree
 
 import pytest
 import torch
@@ -98,6 +99,21 @@ def test_a_choice_timed_on_a_busy_machine_is_used_but_not_cached(weight_cache, m
     monkeypatch.setattr(paths, "_busy_cpu_seconds", lambda: 0.0)
     assert choose_paths(small_config(dtype="float16"), CPU).source == "measured"  # measured again, then cached
     assert len(list(paths_cache_dir().iterdir())) == 2
+
+
+def test_an_engine_says_on_stderr_that_it_times_the_paths_and_what_it_chose(weight_cache, capsys):
+    cfg = small_config(dtype="float16")
+    engine = Engine(cfg)  # an empty paths cache: measured now
+    lines = [line for line in capsys.readouterr().err.splitlines() if "timing" in line or "timed in" in line]
+    paths = engine.paths
+    assert lines[0].startswith("kvbook: timing each phase's candidate kernels on this CPU") and len(lines) == 2
+    assert lines[1].startswith("kvbook: timed in ") and lines[1].endswith(
+        f"prefill {paths.prefill.label}, decode {paths.decode.label}, batched decode {paths.batched_decode.label}")
+    Engine(cfg, model=engine.model)  # cached: nothing to say
+    assert "timing" not in capsys.readouterr().err
+    rmtree(paths_cache_dir())
+    Engine(cfg, model=engine.model, progress=False)  # measured again, silently
+    assert capsys.readouterr().err == ""
 
 
 def test_float32_weights_and_gpus_are_not_measured(weight_cache):

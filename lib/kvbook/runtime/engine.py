@@ -59,7 +59,7 @@ class Engine:
         self.device = resolve_device(config.inference.device)
         self.dtype = TORCH_DTYPES[config.inference.dtype]
         started = time.perf_counter()
-        self.paths = paths or choose_paths(config, self.device)
+        self.paths = paths or choose_paths(config, self.device, progress)
         self.prefill_dtype = self.paths.prefill.dtype
         self.decode_dtype = self.paths.decode.dtype  # a lone sequence's decode step
         self.batched_decode_dtype = self.paths.batched_decode.dtype  # a scheduler's step that may batch sequences

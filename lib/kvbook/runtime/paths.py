@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -507,9 +508,11 @@ def _from_json(data: dict, source: str) -> ComputePaths:
                         packed_prefill_reason=data["packed_prefill_reason"])
 
 
-def choose_paths(config: Config, device: torch.device) -> ComputePaths:
+def choose_paths(config: Config, device: torch.device, progress: bool = False) -> ComputePaths:
     """The paths for this config on this device: by capability on a GPU, else measured once per machine (and
-    cached); [inference] prefill_dtype other than "auto" pins prefill."""
+    cached); [inference] prefill_dtype other than "auto" pins prefill. progress: say on stderr, before and after,
+    that a measurement runs (half a minute for the article's model on 2 cores; a notebook keeps the two lines in the
+    cell that asked)."""
     weight_dtype = TORCH_DTYPES[config.inference.dtype]
     pinned = config.inference.prefill_dtype
     if device.type != "cpu" or len(candidates(weight_dtype)) == 1:
@@ -526,7 +529,13 @@ def choose_paths(config: Config, device: torch.device) -> ComputePaths:
         try:
             paths = _from_json(json.loads(path.read_text()), "cached")
         except (OSError, ValueError, KeyError):
+            if progress:
+                print("kvbook: timing each phase's candidate kernels on this CPU (once per machine and model "
+                      "shape) ...", file=sys.stderr, flush=True)
             paths = measure_paths(config, device)
+            if progress:
+                print(f"kvbook: timed in {paths.measured_s:.0f} s: prefill {paths.prefill.label}, decode "
+                      f"{paths.decode.label}, batched decode {paths.batched_decode.label}", file=sys.stderr, flush=True)
             if (paths.others_cpu_share or 0.0) > BUSY_SHARE:
                 log.warning("other processes used %.0f%% of the CPUs while kvbook timed its compute paths: the choice "
                             "is used by this process only and measured again next time", 100 * paths.others_cpu_share)
