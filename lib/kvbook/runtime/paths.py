@@ -23,6 +23,10 @@ Prefill has one more candidate where torch has oneDNN (its CPU builds): the floa
 own inner product instead of F.linear ("onednn-float32", kvbook.model.linear). It needs no packing, so every
 engine may use it; a lone row and a batched step keep F.linear.
 
+Not a candidate: a lone row through a loop torch.compile (Inductor) writes. It made a decode step 10-25 ms faster
+than F.linear on an AVX2 CPU, but every process paid ~5 s to import the compiler and load its code, more than the
+128 steps of a generation save (BENCHMARKS.md, "Thirteenth session").
+
 [inference] prefill_dtype pins prefill's dtype ("auto" = measured). The appendix ("Making it fast on a CPU") shows
 the choice.
 """
