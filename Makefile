@@ -22,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check lib tests
+	$(BIN)/ruff check lib tests scripts
 
 # nbval compares only what no device's rounding can change (tests/nbval_sanitize.cfg says what it masks). To
 # show that on every CI run, the chapters that print greedy tokens run a second time under other CPU kernels on

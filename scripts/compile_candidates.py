@@ -8,19 +8,15 @@
 import time
 
 import torch
+from kvbook.runtime.paths import best_seconds
 from torch.nn import functional as F
 
 N, K = 32768, 4096
 
 
 def best(f, *args, n=10):
-    f(*args)
-    times = []
-    for _ in range(n):
-        started = time.perf_counter()
-        f(*args)
-        times.append(time.perf_counter() - started)
-    return min(times)
+    """Best seconds of f(*args) over n calls after a warm-up (kvbook.runtime.paths' timer, on the CPU)."""
+    return best_seconds(lambda: f(*args), torch.device("cpu"), n)
 
 
 def compiled(f, *args):

@@ -13,25 +13,19 @@ uses today through F.linear (MKL on x86). Three measurements, results in BENCHMA
     flock /tmp/kvbook-heavy.lock .venv/bin/python scripts/onednn_candidates.py
 """
 
-import time
 import types
-
-import torch
-from torch.nn import functional as F
 
 import kvbook
 import kvbook.model.linear as linear_module
+import torch
+from kvbook.runtime.paths import best_seconds
 from kvbook.tools.book import book_config
+from torch.nn import functional as F
 
 
 def best(fn, reps=10):
-    fn()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+    """Best of `reps` calls after a warm-up (kvbook.runtime.paths' timer, on the CPU)."""
+    return best_seconds(fn, torch.device("cpu"), reps)
 
 
 def onednn(x, weight, bias=None):
@@ -51,7 +45,8 @@ def one_row() -> None:
         "F.linear float16": (w16.nbytes, lambda: F.linear(x.half(), w16)),
         "F.linear bfloat16": (wbf.nbytes, lambda: F.linear(x.bfloat16(), wbf)),
         "F.linear float32": (w32.nbytes, lambda: F.linear(x, w32)),
-        "FBGEMM float16 (packed)": (w16.nbytes, lambda: [torch.ops.quantized.linear_dynamic_fp16(x, p) for p in packed]),
+        "FBGEMM float16 (packed)": (w16.nbytes,
+                                    lambda: [torch.ops.quantized.linear_dynamic_fp16(x, p) for p in packed]),
         "oneDNN float32": (w32.nbytes, lambda: onednn(x, w32)),
         "oneDNN bfloat16": (wbf.nbytes, lambda: onednn(x.bfloat16(), wbf)),
         "oneDNN float16": (w16.nbytes, lambda: onednn(x.half(), w16)),
@@ -70,9 +65,9 @@ def products() -> None:
         for rows in (1, 8, 20, 64, 128, 192, 256, 512):
             x = torch.randn(rows, k)
             flops = 2 * rows * n * k
-            mkl = best(lambda: F.linear(x, w32), 5)
-            dnn = best(lambda: onednn(x, w32), 5)
-            fb = best(lambda: [torch.ops.quantized.linear_dynamic_fp16(x, p) for p in packed], 5)
+            mkl = best(lambda x=x, w32=w32: F.linear(x, w32), 5)
+            dnn = best(lambda x=x, w32=w32: onednn(x, w32), 5)
+            fb = best(lambda x=x, packed=packed: [torch.ops.quantized.linear_dynamic_fp16(x, p) for p in packed], 5)
             print(f"{rows:4d} x {n} x {k}: F.linear float32 {flops / mkl / 1e9:5.1f}, oneDNN float32 "
                   f"{flops / dnn / 1e9:5.1f}, FBGEMM {flops / fb / 1e9:5.1f} GFLOP/s", flush=True)
 

@@ -17,21 +17,18 @@ not)."""
 
 import json
 import sys
-import time
 import warnings
 
 import torch
+from kvbook.runtime.paths import best_seconds as paths_best_seconds
 from torch.nn import functional as F
+
+CPU = torch.device("cpu")
 
 
 def best_seconds(fn, repeats: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+    """Best of `repeats` calls after a warm-up (kvbook.runtime.paths' timer, on the CPU)."""
+    return paths_best_seconds(fn, CPU, repeats)
 
 
 def fbgemm_w8a8(weight: torch.Tensor, scale: torch.Tensor):
