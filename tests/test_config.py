@@ -96,6 +96,11 @@ def test_cache_dtype_mismatch_warns_with_memory_cost():
     assert len(caught) == 1 and caught[0].category is ConfigWarning
     text = str(caught[0].message)
     assert "2x the memory" in text and "384 MiB instead of 192 MiB" in text and "set cache_dtype = 'float16'" in text
+    assert "for digits float16 weights cannot use" in text
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(ROOT_CONFIG, ["inference.dtype=float32", "kv_cache.cache_dtype=float16"])
+    assert "0.5x the memory" in str(caught[0].message) and "K and V are rounded to float16" in str(caught[0].message)
 
 
 def test_api_key_table_key_in_file_is_refused(tmp_path):

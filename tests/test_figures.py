@@ -38,6 +38,7 @@ def test_layer_diagram_labels_carry_the_config(cfg):
     assert f"Q [1, 7, {cfg.num_attention_heads}, {cfg.head_dim}]" in texts
     assert f"K, V [1, {cfg.num_key_value_heads}, 7, {cfg.head_dim}]" in texts
     assert f"down_proj ({inter} \u2192 {hidden})" in texts
+    assert "RoPE (V as is)" in texts  # V takes neither the norms nor RoPE
 
 
 def test_layer_diagram_follows_a_changed_hidden_size():
@@ -52,6 +53,9 @@ def test_timeline_marks_ttft_and_tpot_and_counts_steps():
     assert "TTFT" in schematic and "TPOT" in schematic
     assert "256 positions" in schematic and "5 decode steps" in schematic
     assert "schematic" in schematic
+    # token 1 comes out of prefill, each decode box is marked with the token its step gives: 2 .. steps + 1
+    boxes = schematic.split(" | ")
+    assert "\u2192 token 1" in schematic and {"2", "6"} <= set(boxes) and "1" not in boxes
     measured = timeline_diagram(64, 3, ttft_ms=900.0, tpot_ms=60.0)
     assert measured.axes[0].get_xlim()[1] == pytest.approx((900 + 3 * 60) * 1.02)
     assert "time (ms)" in rendered_texts(measured)

@@ -10,7 +10,7 @@ import openai
 import pytest
 import requests
 from kvbook.runtime.engine import Engine
-from kvbook.serving.client import chat, stream_chat
+from kvbook.serving.client import StreamResult, chat, stream_chat
 from kvbook.serving.server import BackgroundServer
 
 from .conftest import small_config
@@ -89,6 +89,18 @@ def test_the_articles_request_with_the_client_module(server):
     streamed = stream_chat(HELLO, MODEL, max_tokens=8, api_base=server.api_base, ignore_eos=True)
     assert streamed.status == 200 and streamed.usage == result.usage and streamed.text == result.text
     assert streamed.ttft_s > 0 and streamed.tpot_s is not None and streamed.finish_reason == "length"
+
+    # the time per token counts the tokens after the first, not the chunks (a held-back token makes fewer chunks)
+    chunks = len(streamed.arrivals)
+    assert streamed.tpot_s == pytest.approx((streamed.arrivals[-1] - streamed.arrivals[0]) / (8 - 1))
+    assert chunks <= 8
+
+
+def test_a_streams_time_per_token_divides_by_its_tokens_not_its_chunks():
+    held_back = StreamResult(200, 0.0, arrivals=[1.0, 1.2, 1.4], usage={"completion_tokens": 5})
+    assert held_back.tpot_s == pytest.approx(0.4 / 4)  # 3 chunks for 5 tokens: 4 steps after the first token
+    assert StreamResult(200, 0.0, arrivals=[1.0, 1.2, 1.4]).tpot_s == pytest.approx(0.2)  # no usage: the chunks
+    assert StreamResult(200, 0.0, arrivals=[1.0], usage={"completion_tokens": 5}).tpot_s is None
 
 
 def engine_prompt():

@@ -208,11 +208,14 @@ class Config:
             ratio = DTYPE_BYTES[kv.cache_dtype] / DTYPE_BYTES[inf.dtype]
             mib = kv_cache_bytes(model, kv.max_cache_len, kv.cache_dtype) / 2**20
             same_mib = kv_cache_bytes(model, kv.max_cache_len, inf.dtype) / 2**20
+            # attention computes in float32 whatever the cache holds (kvbook.model.attention): a wider cache only
+            # keeps rounding noise of the arithmetic, a narrower one rounds K and V
+            effect = (f"for digits {inf.dtype} weights cannot use" if ratio > 1
+                      else f"and K and V are rounded to {kv.cache_dtype}")
             warnings.warn(
                 f"[kv_cache] cache_dtype = {kv.cache_dtype!r} differs from [inference] dtype = {inf.dtype!r}: "
                 f"the cache takes {ratio:g}x the memory ({mib:.0f} MiB instead of {same_mib:.0f} MiB at max_cache_len "
-                f"{kv.max_cache_len}) and "
-                f"K/V are converted on every read and write; set cache_dtype = {inf.dtype!r}",
+                f"{kv.max_cache_len}) {effect}; set cache_dtype = {inf.dtype!r}",
                 ConfigWarning, stacklevel=3)
 
     def replace(self, **sections: dict[str, Any]) -> Config:

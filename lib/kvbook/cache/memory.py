@@ -1,4 +1,4 @@
-"""The KV cache's memory, written once: bytes per position and blocks per budget. Explained in chapters 4 and 10.
+"""The KV cache's memory, written once: bytes per position and blocks per budget. Explained in chapters 4 and 9.
 
 A leaf module (it imports nothing of kvbook), so that kvbook.config can check a budget with it.
 """

@@ -56,10 +56,15 @@ class StreamResult:
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean gap between content chunks: decode steps, as the client sees them."""
+        """Time per output token after the first, as the client sees it: from the first content chunk to the last,
+        over the tokens generated after the first (usage's completion_tokens - 1, as kvbook.serving.loadgen and
+        vLLM's benchmark count it). Not over the chunks: the server holds back a token whose text is not complete
+        yet (a split UTF-8 character), so there may be fewer chunks than tokens, and the gaps between chunks
+        would overstate the time per token. Without usage, the chunks are all there is to count."""
         if len(self.arrivals) < 2:
             return None
-        return (self.arrivals[-1] - self.arrivals[0]) / (len(self.arrivals) - 1)
+        tokens = (self.usage or {}).get("completion_tokens") or len(self.arrivals)
+        return (self.arrivals[-1] - self.arrivals[0]) / (max(tokens, len(self.arrivals)) - 1)
 
 
 def _endpoint_and_headers(server: ServerConfig, api_base: str | None) -> tuple[str, dict]:

@@ -54,7 +54,7 @@ def layer_diagram(cfg: ModelConfig, tokens: int, figsize=(6.4, 6.4)):
     x_main, width, height = 0.0, 2.6, 0.55
     rows = [  # (y, text, color)
         (0.9, "RMSNorm (input_layernorm)", NORM_COLOR),
-        (2.6, "q_norm, k_norm (per head) and RoPE", NORM_COLOR),
+        (2.6, "Q, K: q_norm, k_norm, RoPE (V as is)", NORM_COLOR),
         (3.9, "attention: softmax(Q K\u1d40 / \u221a" + f"{head_dim}" + " + mask) V", OTHER_COLOR),
         (5.2, f"o_proj ({heads * head_dim} \u2192 {hidden})", OTHER_COLOR),
         (6.5, "\u2295 residual add", "white"),
@@ -105,16 +105,18 @@ def timeline_diagram(input_len: int, decode_steps: int, ttft_ms: float | None = 
     fig, ax = plt.subplots(figsize=figsize)
     ax.grid(False)
     ax.add_patch(Rectangle((0, 0), prefill, 1, facecolor=PREFILL_COLOR, edgecolor="0.3"))
-    ax.text(prefill / 2, 0.5, f"prefill\n{input_len} positions", ha="center", va="center", fontsize=8)
-    for i in range(decode_steps):
+    ax.text(prefill / 2, 0.5, f"prefill\n{input_len} positions\n\u2192 token 1", ha="center", va="center",
+            fontsize=8)
+    for i in range(decode_steps):  # each box is labelled with the token its step gives: step 1 gives token 2
         start = prefill + i * step
         ax.add_patch(Rectangle((start, 0), step, 1, facecolor=DECODE_COLOR, edgecolor="0.3"))
-        ax.text(start + step / 2, 0.5, f"{i + 1}", ha="center", va="center", fontsize=7)
+        ax.text(start + step / 2, 0.5, f"{i + 2}", ha="center", va="center", fontsize=7)
     end = prefill + decode_steps * step
     for x0, x1, label in ((0, prefill, "TTFT"), (prefill, prefill + step, "TPOT")):
         ax.annotate("", xy=(x1, 1.25), xytext=(x0, 1.25), arrowprops={"arrowstyle": "<->", "linewidth": 0.8})
         ax.text((x0 + x1) / 2, 1.35, label, ha="center", va="bottom", fontsize=8)
-    ax.text(prefill + decode_steps * step / 2, -0.35, f"{decode_steps} decode steps, 1 position each",
+    ax.text(prefill + decode_steps * step / 2, -0.35,
+            f"{decode_steps} decode steps, 1 position each, marked with the token each gives",
             ha="center", va="top", fontsize=8)
     ax.set_xlim(0, end * 1.02)
     ax.set_ylim(-0.9, 1.9)
