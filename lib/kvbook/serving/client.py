@@ -63,8 +63,16 @@ class StreamResult:
         would overstate the time per token. Without usage, the chunks are all there is to count."""
         if len(self.arrivals) < 2:
             return None
-        tokens = (self.usage or {}).get("completion_tokens") or len(self.arrivals)
-        return (self.arrivals[-1] - self.arrivals[0]) / (max(tokens, len(self.arrivals)) - 1)
+        return time_per_token(self.arrivals, max((self.usage or {}).get("completion_tokens") or 0,
+                                                 len(self.arrivals)))
+
+
+def time_per_token(arrivals: list[float], tokens: int) -> float | None:
+    """A stream's mean time per token after the first: from its first text to its last, over tokens - 1 (the
+    tokens generated, not the chunks that carried them); None without two tokens and a text."""
+    if tokens < 2 or not arrivals:
+        return None
+    return (arrivals[-1] - arrivals[0]) / (tokens - 1)
 
 
 def _endpoint_and_headers(server: ServerConfig, api_base: str | None) -> tuple[str, dict]:

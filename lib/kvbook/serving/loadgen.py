@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Config
+from .client import time_per_token
 
 PROMPTS = [f"Request {i}: explain what a KV cache stores during decoding, and why it saves time." for i in range(64)]
 
@@ -71,8 +72,7 @@ async def _one(client, model: str, prompt: str, max_tokens: int, start: float, d
     outcome.done_s = time.perf_counter() - start
     if arrivals:
         outcome.ttft_s = arrivals[0] - (start + due)
-    if outcome.completion_tokens > 1 and arrivals:
-        outcome.itl_s = (arrivals[-1] - arrivals[0]) / (outcome.completion_tokens - 1)
+    outcome.itl_s = time_per_token(arrivals, outcome.completion_tokens)
     return outcome
 
 
