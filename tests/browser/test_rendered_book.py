@@ -12,11 +12,12 @@ repository root), e.g. a scratch book used to check the tests themselves.
 
 import contextlib
 import functools
+import html.parser
 import http.server
 import os
 import threading
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import pandas as pd
 import pytest
@@ -28,8 +29,9 @@ from playwright.sync_api import sync_playwright
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HTML_DIR = Path(os.environ.get("KVBOOK_HTML_DIR", REPO_ROOT / "_build" / "html")).resolve()
 CHAPTER_PAGES = sorted(path.relative_to(HTML_DIR).as_posix() for path in HTML_DIR.glob("chapters/*.html"))
-# The intro is listed even when it is missing, so that an unbuilt book is a failure rather than zero tests.
-PAGES = ["intro.html", *CHAPTER_PAGES]
+# The intro and the benchmarks page (in _toc.yml: the chapters link to it) are listed even when they are missing,
+# so that an unbuilt book is a failure rather than zero tests.
+PAGES = ["intro.html", *CHAPTER_PAGES, "BENCHMARKS.html"]
 # to_jshtml writes its slider into the page as literal HTML, so the built files tell which pages have one.
 SLIDER_PAGES = [page for page in PAGES
                 if (HTML_DIR / page).is_file() and 'class="anim-slider"' in (HTML_DIR / page).read_text("utf-8")]
@@ -120,6 +122,41 @@ def broken_images(page):
     return page.evaluate("""() => [...document.images]
         .filter(img => !(img.complete && img.naturalWidth > 0))
         .map(img => 'broken image: ' + (img.id || img.getAttribute('src') || img.outerHTML).slice(0, 120))""")
+
+
+class _Links(html.parser.HTMLParser):
+    """Every <a href> of a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.hrefs = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "a" and dict(attrs).get("href"):
+            self.hrefs.append(dict(attrs)["href"])
+
+
+# What the repository's files are called: a link to a "host" with one of these endings is a file name that MyST's
+# linkify took for a web address (it once sent every "BENCHMARKS.md" in the text to http://BENCHMARKS.md).
+FILE_SUFFIXES = (".md", ".py", ".json", ".toml", ".yml", ".ipynb", ".sh", ".txt")
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_every_link_of_a_page_leads_somewhere(page_path):
+    """No file name in the text becomes a link to a web host, and every link inside the book finds its page."""
+    assert (HTML_DIR / page_path).is_file(), f"{page_path} is not in the built book"
+    links = _Links()
+    links.feed((HTML_DIR / page_path).read_text("utf-8"))
+    problems = []
+    for href in links.hrefs:
+        url = urlsplit(href)
+        if url.scheme in ("http", "https"):
+            if (url.hostname or "").endswith(FILE_SUFFIXES):
+                problems.append(f"a file name linked as a web host: {href}")
+        elif not url.scheme and url.path:
+            if not (HTML_DIR / page_path).parent.joinpath(unquote(url.path)).resolve().exists():
+                problems.append(f"a link to a page the book does not have: {href}")
+    assert not problems, f"{page_path}:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("page_path", PAGES)
