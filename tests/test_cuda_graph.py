@@ -103,4 +103,4 @@ def test_a_failed_capture_falls_back_to_eager_with_one_notice(engine, capsys, we
     notice = capsys.readouterr().err
     assert notice.count("capturing a CUDA graph failed (operation not permitted") == 1
     assert "cuda_graphs = false" in notice and "more detail" not in notice
-    assert decoder.capture is False
+    assert decoder.capture is False and decoder.replaying is False  # the bench then reports no graphs

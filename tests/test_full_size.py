@@ -63,6 +63,7 @@ def test_fixed_shape_decode_step_at_full_size_matches_the_ordinary_one():
     engine = Engine(load_config("config.toml"), progress=False)
     result = compare_with_ordinary(engine, list(range(1000, 1020)), steps=3)
     assert result["positions"] == 23
+    assert result["replayed"] == (engine.device.type == "cuda")  # a failed capture falls back to eager steps
     assert result["max_logit_diff"] < 0.05  # float16 logits of size ~1
     # greedy tokens of random weights can flip at near-ties on a GPU (summation order); on the CPU they are equal
     assert result["same_tokens"] or engine.device.type != "cpu"

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from shutil import rmtree
 
+import kvbook.runtime.paths
 import pytest
 import torch
 from kvbook.model.linear import (
@@ -101,7 +102,9 @@ def test_a_choice_timed_on_a_busy_machine_is_used_but_not_cached(weight_cache, m
     assert len(list(paths_cache_dir().iterdir())) == 2
 
 
-def test_an_engine_says_on_stderr_that_it_times_the_paths_and_what_it_chose(weight_cache, capsys):
+def test_an_engine_says_on_stderr_that_it_times_the_paths_and_what_it_chose(weight_cache, capsys, monkeypatch):
+    # a quiet machine, whatever else runs: a choice timed while others are busy is not cached (tested above)
+    monkeypatch.setattr(kvbook.runtime.paths, "_busy_cpu_seconds", lambda: 0.0)
     cfg = small_config(dtype="float16")
     engine = Engine(cfg)  # an empty paths cache: measured now
     lines = [line for line in capsys.readouterr().err.splitlines() if "timing" in line or "timed in" in line]
@@ -116,12 +119,16 @@ def test_an_engine_says_on_stderr_that_it_times_the_paths_and_what_it_chose(weig
     assert capsys.readouterr().err == ""
 
 
-def test_float32_weights_and_gpus_are_not_measured(weight_cache):
+def test_float32_weights_and_gpus_are_not_measured(weight_cache, monkeypatch):
     paths = choose_paths(small_config(dtype="float32"), CPU)
     assert paths.source == "capability" and paths.dtypes() == {torch.float32}
     assert paths.batch_row_reason.startswith("measured")  # batch invariance is measured on a CPU all the same
+    asked = []  # on a GPU too, on the GPU (cuBLAS may also pick another kernel for another row count)
+    monkeypatch.setattr(kvbook.runtime.paths, "invariant_row_multiple",
+                        lambda config, dtype, device, rows: asked.append((device, dtype, rows)) or (4, "measured"))
     gpu = choose_paths(small_config(dtype="float16"), torch.device("cuda", 0))
     assert gpu.source == "capability" and gpu.dtypes() == {torch.float16}
+    assert asked == [(torch.device("cuda", 0), torch.float16, 8)] and gpu.batch_row_multiple == 4
     assert not paths_cache_dir().exists()
 
 

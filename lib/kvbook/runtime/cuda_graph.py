@@ -56,6 +56,12 @@ class GraphedDecoder:
         self._holder = threading.Lock()  # held by the sequence decoding on self.cache
 
     @property
+    def replaying(self) -> bool:
+        """Whether its steps replay captured graphs: False before the first capture, on the CPU, and after a capture
+        failed (the steps then run eagerly, and a report must not claim graphs)."""
+        return self.capture and bool(self.graphs)
+
+    @property
     def in_use(self) -> bool:
         return self._holder.locked()
 
@@ -122,7 +128,8 @@ class GraphedDecoder:
 def compare_with_ordinary(engine, prompt: list[int], steps: int) -> dict:
     """Decode `steps` greedy tokens through a GraphedDecoder (captured on CUDA, eager elsewhere) and through the
     ordinary step on a cache of its own, both fed the ordinary path's tokens -> {"same_tokens": bool,
-    "max_logit_diff": float, "positions": cache length after the last step}."""
+    "max_logit_diff": float, "positions": cache length after the last step, "replayed": whether the steps replayed
+    captured graphs}."""
     decoder = GraphedDecoder(engine)
     plain = engine.new_cache()
     decoder.acquire()
@@ -136,7 +143,8 @@ def compare_with_ordinary(engine, prompt: list[int], steps: int) -> dict:
         max_diff = max(max_diff, float((fixed - ordinary).abs().max()))
         same = same and int(fixed.argmax()) == int(ordinary.argmax())
         token = int(ordinary[0, -1].argmax())
-    return {"same_tokens": same, "max_logit_diff": max_diff, "positions": decoder.cache.length}
+    return {"same_tokens": same, "max_logit_diff": max_diff, "positions": decoder.cache.length,
+            "replayed": decoder.replaying}
 
 
 def count_torch_calls(run) -> int:

@@ -522,9 +522,9 @@ def choose_paths(config: Config, device: torch.device, progress: bool = False) -
     if device.type != "cpu" or len(candidates(weight_dtype)) == 1:
         reason = "capability: the GPU's tensor cores run the weights' dtype natively" if device.type != "cpu" \
             else "the weights' dtype (no other holds float32 values)"
-        multiple, multiple_reason = 1, "a GPU: not measured"
-        if device.type == "cpu":  # a few small products at the model's widths: milliseconds, not cached
-            multiple, multiple_reason = invariant_row_multiple(config, weight_dtype, device, _batch_rows(config))
+        # a few small products at the model's widths: milliseconds, not cached (a GPU's library, too, may pick
+        # another kernel for another row count)
+        multiple, multiple_reason = invariant_row_multiple(config, weight_dtype, device, _batch_rows(config))
         paths = ComputePaths(PhasePath(weight_dtype, reason), PhasePath(weight_dtype, reason),
                              PhasePath(weight_dtype, reason), "capability", batch_row_multiple=multiple,
                              batch_row_reason=multiple_reason)

@@ -42,8 +42,18 @@ from ..runtime.paths import candidates, cpu_identity, dtype_name, kernel_table, 
 from .roofline import prefill_flops
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+def _peak_memory(device: torch.device) -> dict:
+    """The process's peak memory: its RSS, and on a GPU the device memory torch allocated there, where the weights
+    and the cache live (the RSS then holds only the host side)."""
+    peak = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux reports KiB
+    if device.type == "cuda":
+        peak["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return peak
+
+
+def _peak_memory_mb(r: dict) -> float:
+    """The peak memory where the weights live: allocated on the GPU, or the process's RSS on a CPU."""
+    return r.get("peak_gpu_mb", r["peak_rss_mb"])
 
 
 # Cold starts timed (median reported): on a virtual machine the first process in a while to ask for gigabytes of
@@ -136,11 +146,11 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
     cache = engine.new_cache()
     engine.prefill(cache, prompt)  # one prefill more, to weigh the cache it fills
     return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
-            "peak_rss_mb": _peak_rss_mb(), "device": str(engine.device), "prefill_dtype": engine.paths.prefill.label,
+            **_peak_memory(engine.device), "device": str(engine.device), "prefill_dtype": engine.paths.prefill.label,
             "decode_dtype": engine.paths.decode.label,
             "batched_decode_dtype": engine.paths.batched_decode.label,
             "paths": engine.describe_paths(), "paths_text": engine.paths.describe(),
-            "cuda_graphs": engine.decoder is not None,
+            "cuda_graphs": engine.decoder is not None and engine.decoder.replaying,  # a capture may have failed
             "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length, "batch_size": batch}
 
 
@@ -181,7 +191,7 @@ def transformers_worker(config: Config, repeats: int, steps: int, peer_dtype: st
         first, step_ms = run(steps + 1)
         ttft.append(first)
         tpot.append(statistics.fmean(step_ms))
-    return {"build_s": build_s, "ttft_runs": ttft, "tpot_runs": tpot, "peak_rss_mb": _peak_rss_mb(),
+    return {"build_s": build_s, "ttft_runs": ttft, "tpot_runs": tpot, **_peak_memory(device),
             "dtype": str(dtype).removeprefix("torch.")}
 
 
@@ -221,7 +231,9 @@ def _merge(rounds: list[dict]) -> dict:
     for key in ("ready_s", "build_s"):
         if key in merged:
             merged[key] = statistics.median(r[key] for r in rounds)
-    merged["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rounds)
+    for key in ("peak_rss_mb", "peak_gpu_mb"):
+        if key in merged:
+            merged[key] = max(r[key] for r in rounds)
     return merged
 
 
@@ -285,7 +297,8 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     result = {
         "ttft_ms": engine["ttft_ms"], "tpot_ms": engine["tpot_ms"],
         "tokens_per_s": batch * 1e3 / engine["tpot_ms"], "batch_size": batch,
-        "ready_s": engine["ready_s"], "peak_rss_mb": engine["peak_rss_mb"],
+        "ready_s": engine["ready_s"], "peak_rss_mb": engine["peak_rss_mb"], "peak_memory_mb": _peak_memory_mb(engine),
+        "peak_memory_of": "GPU memory allocated" if "peak_gpu_mb" in engine else "process RSS",
         "memory_floor_ms": memory_floor_ms, "compute_floor_ms": compute_floor_ms,
         "floors": {"decode_weight_bytes": weights_read, "decode_kv_bytes": kv_read,
                    "read_gbps": read_gbps, "read_gbps_samples": [round(r, 2) for r in reads],
@@ -318,6 +331,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
             peer = _merge(runs)
             by_dtype[dtype] = {key: peer[key] for key in ("build_s", "ttft_ms", "tpot_ms", "peak_rss_mb",
                                                           "ttft_spread", "tpot_spread")}
+            by_dtype[dtype]["peak_memory_mb"] = _peak_memory_mb(peer)
             by_dtype[dtype]["ttft_vs_compute_floor"] = peer["ttft_ms"] / compute_floor_ms
             by_dtype[dtype]["tpot_vs_memory_floor"] = peer["tpot_ms"] / memory_floor_ms
         best_ttft = min(by_dtype, key=lambda d: by_dtype[d]["ttft_ms"])
@@ -328,7 +342,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
             "ttft_ms": by_dtype[best_ttft]["ttft_ms"], "ttft_dtype": best_ttft,
             "tpot_ms": by_dtype[best_tpot]["tpot_ms"], "tpot_dtype": best_tpot,
             "build_s": by_dtype[best_build]["build_s"], "build_dtype": best_build,
-            "peak_rss_mb": by_dtype[best_tpot]["peak_rss_mb"],
+            "peak_rss_mb": by_dtype[best_tpot]["peak_rss_mb"], "peak_memory_mb": by_dtype[best_tpot]["peak_memory_mb"],
             "ttft_spread": by_dtype[best_ttft]["ttft_spread"], "tpot_spread": by_dtype[best_tpot]["tpot_spread"]}
     result["ratios"] = ratios(result)
     return result
@@ -344,18 +358,20 @@ def run_batch_sweep(config: Config, config_path: str, overrides: list[str], size
         tpot = r["tpot_runs"][0]
         kv = kv_cache_bytes(config.model, config.inference.input_len + steps, config.kv_cache.cache_dtype, size)
         rows.append({"batch_size": size, "tpot_ms": tpot, "tokens_per_s": size * 1e3 / tpot,
-                     "kv_cache_mib": kv / 2**20, "peak_rss_mb": r["peak_rss_mb"]})
-    return {"sweep": rows, "device": r["device"], "input_len": config.inference.input_len, "decode_steps": steps,
+                     "kv_cache_mib": kv / 2**20, "peak_memory_mb": _peak_memory_mb(r), "cuda_graphs": r["cuda_graphs"]})
+    return {"sweep": rows, "device": r["device"], "peak_memory_of": "GPU MiB" if "peak_gpu_mb" in r else "RSS MiB",
+            "input_len": config.inference.input_len, "decode_steps": steps,
             "dtype": config.inference.dtype, "batched_decode_dtype": r["batched_decode_dtype"]}
 
 
 def format_batch_sweep(r: dict) -> str:
     lines = [f"batch sweep on {r['device']}: prompts of {r['input_len']} tokens, {r['decode_steps']} decode steps; "
-             f"a step of 2+ sequences computes in {r['batched_decode_dtype']}",
-             f"{'batch':>6s}{'TPOT ms':>10s}{'tokens/s':>10s}{'KV MiB':>9s}{'peak RSS MiB':>14s}"]
+             f"a step of 2+ sequences computes in {r['batched_decode_dtype']}"
+             + ("; a lone sequence replays CUDA graphs, a batch runs eagerly" if r["sweep"][0]["cuda_graphs"] else ""),
+             f"{'batch':>6s}{'TPOT ms':>10s}{'tokens/s':>10s}{'KV MiB':>9s}{'peak ' + r['peak_memory_of']:>14s}"]
     for row in r["sweep"]:
         lines.append(f"{row['batch_size']:6d}{row['tpot_ms']:10.1f}{row['tokens_per_s']:10.1f}"
-                     f"{row['kv_cache_mib']:9.1f}{row['peak_rss_mb']:14.0f}")
+                     f"{row['kv_cache_mib']:9.1f}{row['peak_memory_mb']:14.0f}")
     return "\n".join(lines)
 
 
@@ -453,7 +469,7 @@ def ratios(r: dict) -> dict:
     out = {
         "ttft_vs_compute_floor": r["ttft_ms"] / r["compute_floor_ms"],
         "tpot_vs_memory_floor": r["tpot_ms"] / r["memory_floor_ms"],
-        "peak_rss_vs_weight_bytes_kept": r["peak_rss_mb"] * 2**20 / r["weight_bytes_kept"],
+        "peak_memory_vs_weight_bytes_kept": r["peak_memory_mb"] * 2**20 / r["weight_bytes_kept"],
         "kv_cache_bytes_exact": r["kv_cache_bytes"] == r["kv_cache_bytes_formula"],
         "ttft_vs_best_transformers": None, "tpot_vs_best_transformers": None,
         "ready_vs_transformers_build": None, "cold_ready_vs_transformers_build": None,
@@ -487,7 +503,8 @@ def format_table(r: dict) -> str:
     if "cold_ready_s" in r:
         lines.append(f"{'model ready, empty cache (s)':28s}{r['cold_ready_s']:>12.2f}  (min "
                      f"{r['cold_ready_spread']['min']:.2f}, max {r['cold_ready_spread']['max']:.2f})")
-    row("peak RSS (MiB)", r["peak_rss_mb"], "peak_rss_mb", "{:.0f}")
+    row("peak RSS (MiB)" if r["peak_memory_of"] == "process RSS" else "peak GPU memory (MiB)", r["peak_memory_mb"],
+        "peak_memory_mb", "{:.0f}")
     f = r["floors"]
     lines.append(f"memory floor {r['memory_floor_ms']:.1f} ms = ({f['decode_weight_bytes'] / 1e9:.3f} GB of weights "
                  f"+ {f['decode_kv_bytes'] / 1e6:.1f} MB of K/V) / {f['read_gbps']:.1f} GB/s (plain read, best)")

@@ -13,8 +13,9 @@ import torch
 
 
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest absolute difference of two logit tensors of the same shape, in float32."""
-    return float((a.float() - b.float()).abs().max())
+    """The largest absolute difference of two logit tensors of the same shape, in float32. They may live on two
+    devices: a Tracer keeps the logits it records on the CPU, the model's own are on its device (a GPU's)."""
+    return float((a.float() - b.float().to(a.device)).abs().max())
 
 
 def logits_agree(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
