@@ -2,6 +2,7 @@
 untied, cut to its first N layers, and errors that name the HF key and both shapes."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -91,3 +92,17 @@ def test_directory_errors(tmp_path):
                                                       "num_hidden_layers": 1}))
     with pytest.raises(ConfigError, match=r"has no \*.safetensors files"):
         load_checkpoint(tmp_path, checkpoint_config(tmp_path), torch.float32)
+    (tmp_path / "model.safetensors").write_bytes(b"\x01")  # a download cut short
+    with pytest.raises(ConfigError, match=r"model.safetensors: not a readable safetensors file .*download it again"):
+        load_checkpoint(tmp_path, checkpoint_config(tmp_path), torch.float32)
+
+
+@pytest.mark.parametrize("config_json, fragment", [
+    ('{"model_type": "llama", "hidden_size": 64}', "model_type 'llama'; kvbook runs Qwen3 checkpoints"),
+    ('{"model_type": "qwen3"}', "no integer num_hidden_layers, hidden_size, num_attention_heads"),
+    ('{"hidden_size": 64,', "config.json: not a readable JSON file"),
+])
+def test_a_config_json_kvbook_cannot_run_is_one_line_naming_the_file(tmp_path, config_json, fragment):
+    (tmp_path / "config.json").write_text(config_json)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        checkpoint_config(tmp_path)

@@ -1,8 +1,10 @@
 """python -m kvbook: exit codes and one-line errors; generate on a tiny model."""
 
 import json
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +35,16 @@ def env(tmp_path, monkeypatch):
     (["generate", "--input-ids", "1,x"], "expected comma-separated integers"),
     (["generate", "--prompt", "hi", "--checkpoint", "/nonexistent"], "has no config.json"),
     (["generate", "--prompt", "hi", "--num-layers", "1"], "--num-layers needs --checkpoint"),
+    # argument mistakes are found before the model loads (no weights drawn: checked below)
+    (["generate", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    (["generate", "--temperature", "-1"], "temperature = -1: must be >= 0"),
+    (["generate", "--top-p", "0"], "top_p = 0: must be in (0, 1]"),
+    (["trace", "--set", "model.vocab_size=10"], "token id 151644 is outside the vocabulary [0, 10)"),
+    (["serve", "--port", "99999"], "--port 99999: a port is 0..65535"),
+    (["serve", "--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid:8000"),
+    (["bench", "--roofline", "--batch-sweep", "1,2"], "not allowed with argument"),
+    (["bench", "--url", "http://127.0.0.1:9"], "--url needs --load RATES"),
+    (["bench", "--load", "1", "--url", "http://127.0.0.1:9"], "--url http://127.0.0.1:9: no kvbook server answers"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(args, fragment, env):
     result = kvbook(*args, env=env)
@@ -40,6 +52,18 @@ def test_user_mistakes_are_one_line_and_exit_2(args, fragment, env):
     lines = [line for line in result.stderr.splitlines() if not line.startswith("kvbook: device")]
     assert len(lines) == 1 and lines[0].startswith("kvbook: error: ") and fragment in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+    assert not (Path(env["XDG_CACHE_HOME"]) / "kvbook").exists()  # refused before any weights were drawn
+
+
+def test_serve_refuses_a_port_in_use_before_loading_the_model(env):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = kvbook("serve", "--port", str(port), env=env)
+    assert result.returncode == 2 and f"kvbook: error: cannot listen on 127.0.0.1:{port} (Address already in use)" \
+        in result.stderr, result.stderr
+    assert not (Path(env["XDG_CACHE_HOME"]) / "kvbook").exists()
 
 
 def test_generate_json_on_a_tiny_model(env):

@@ -114,6 +114,11 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(write(tmp_path, "[model\n"))
+    with pytest.raises(ConfigError, match="cannot be read .Is a directory.; pass --config PATH of a TOML file"):
+        load_config(tmp_path)
+    (tmp_path / "latin1.toml").write_bytes("[model]\nname = 'caf\xe9'\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="cannot be read .not UTF-8 text."):
+        load_config(tmp_path / "latin1.toml")
 
 
 def test_overrides_parse_toml_values_and_bare_words():

@@ -133,8 +133,12 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(engine):
     c = engine.generate(PROMPT, 6, temperature=1.5, seed=8, ignore_eos=True).output_ids
     assert a == b and a != c
     assert engine.generate(PROMPT, 6, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True).output_ids == greedy
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature = -1: must be >= 0"):
         next(engine.stream(PROMPT, 3, temperature=-1))
+    with pytest.raises(ValueError, match=r"top_p = 1.5: must be in \(0, 1\]"):  # only the option that is wrong
+        next(engine.stream(PROMPT, 3, top_p=1.5))
+    with pytest.raises(ValueError, match=r"token id 999999 is outside the vocabulary"):  # not an IndexError
+        next(engine.stream([1, 999999], 3))
 
 
 def test_closing_a_stream_early_stops_generation(engine):

@@ -61,6 +61,36 @@ def test_timeline_marks_ttft_and_tpot_and_counts_steps():
     assert "time (ms)" in rendered_texts(measured)
 
 
+def overlapping_texts(fig) -> list[tuple[str, str]]:
+    """Pairs of texts whose drawn boxes overlap (a real render measures them)."""
+    renderer = fig.canvas.get_renderer()
+    texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_text() and t.get_visible()]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    return [(a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1:] if box_a.overlaps(box_b)]
+
+
+def test_timeline_step_numbers_never_run_into_each_other():
+    # chapter 1's figure: 15 decode steps of ~250 ms after a ~7 s prefill, the numbers 2 .. 16 in narrow boxes
+    fig = timeline_diagram(256, 15, ttft_ms=7400.0, tpot_ms=250.0)
+    fig.canvas.draw()
+    assert not overlapping_texts(fig)
+    numbers = [t for t in figure_texts(fig) if t.isdigit()]
+    assert numbers[0] == "2" and len(numbers) >= 4  # every k-th box keeps its number, starting at the first
+    plt.close(fig)
+    wide = timeline_diagram(256, 5)  # schematic boxes are wide: every one is numbered
+    assert [t for t in figure_texts(wide) if t.isdigit()] == ["2", "3", "4", "5", "6"]
+    plt.close(wide)
+
+
+def test_block_table_labels_never_run_into_each_other():
+    # chapter 9's figure: 19 blocks of a sequence and 5 of another in a pool of 24 columns
+    fig = block_table_diagram(list(range(40, 56)) + [59, 60, 63], cache_len=296, block_size=16,
+                              other_blocks=[56, 57, 58, 61, 62])
+    fig.canvas.draw()
+    assert not overlapping_texts(fig)
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("cfg", [FULL, SMALL], ids=["full", "small"])
 def test_kv_append_draws_every_layer_and_the_final_shape(cfg):
     fig = kv_append_diagram(cfg, prompt_len=10, decode_steps=3)

@@ -125,7 +125,9 @@ def text_of(ids):
     ({"model": MODEL, "messages": HELLO, "max_tokens": 0}, 400, "max_tokens = 0 is too small"),
     ({"model": MODEL, "messages": HELLO, "max_tokens": "5"}, 400, "max_tokens must be an integer"),
     ({"model": MODEL, "messages": HELLO, "max_completion_tokens": 0}, 400, "max_completion_tokens = 0 is too small"),
-    ({"model": MODEL, "messages": HELLO, "max_tokens": 10000}, 400, "new tokens need 10022 positions"),
+    ({"model": MODEL, "messages": HELLO, "max_tokens": 10000}, 400, "need 10022 positions but max_position_embeddings "
+     "is 256; shorten the prompt or max_tokens"),
+    ({"model": MODEL, "messages": HELLO, "n": 2}, 400, "n = 2 is too large"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 300}]}, 400,
      "the prompt has 309 tokens; this server holds at most 256 positions"),
     ({"model": MODEL, "messages": HELLO, "temperature": -1}, 400, "temperature = -1 is too small"),

@@ -290,6 +290,10 @@ def load_config(path: str | Path | None = "config.toml", overrides: list[str] = 
             raise ConfigError(f"config file {str(path)!r} not found; pass --config PATH") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from None
+        except (OSError, UnicodeDecodeError) as err:  # a directory, no permission, not UTF-8 text
+            reason = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+            raise ConfigError(f"config file {str(path)!r} cannot be read ({reason}); pass --config PATH of a TOML "
+                              "file") from None
     for text in overrides:
         section, key, value = parse_override(text)
         data.setdefault(section, {})[key] = value

@@ -243,7 +243,7 @@ def pack_model(model: nn.Module, progress: bool = False) -> None:
         return
     if progress:
         print(f"kvbook: packing {len(unpacked)} float16 weight matrices for FBGEMM's batched steps "
-              "(once per model) ...", file=sys.stderr, flush=True)
+              "(once per process: packed weights are not cached) ...", file=sys.stderr, flush=True)
     started = time.perf_counter()
     # FBGEMM packs one block on one CPU and torch releases the GIL meanwhile: every block of every matrix is
     # handed to a pool, so that the CPUs pack at once (a matrix of one block, q_proj, would otherwise wait alone)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -261,7 +261,17 @@ def checkpoint_config(directory: str | Path, num_layers: int | None = None) -> M
     if not path.is_file():
         raise ConfigError(f"checkpoint directory {str(directory)!r} has no config.json; pass a Hugging Face "
                           "Qwen3 model directory (config.json + *.safetensors)")
-    hf = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{path}: not a readable JSON file ({err})") from None
+    if hf.get("model_type") not in ("qwen3", None):
+        raise ConfigError(f"{path}: model_type {hf['model_type']!r}; kvbook runs Qwen3 checkpoints (model_type "
+                          "\"qwen3\")")
+    missing = [key for key in ("num_hidden_layers", "hidden_size", "num_attention_heads")
+               if not isinstance(hf.get(key), int)]
+    if missing:
+        raise ConfigError(f"{path}: no integer {', '.join(missing)}; a Qwen3 config.json has them all")
     values = {key: hf[key] for key in HF_CONFIG_KEYS if hf.get(key) is not None}
     values["rope_theta"] = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1e6)
     values["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -283,9 +293,12 @@ def load_checkpoint(directory: str | Path, cfg: ModelConfig, dtype: torch.dtype)
     wanted = set(expected_shapes(cfg))
     weights = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name in wanted:
-                    weights[name] = f.get_tensor(name).to(dtype)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in wanted:
+                        weights[name] = f.get_tensor(name).to(dtype)
+        except SafetensorError as err:
+            raise ConfigError(f"{file}: not a readable safetensors file ({err}); download it again") from None
     check_shapes(cfg, weights)
     return weights

@@ -46,7 +46,7 @@ from . import cuda_graph
 from .inputs import prepare_decode
 from .paths import ComputePaths, PhasePath, choose_paths, int8_decode_paths
 from .scheduler import Scheduler
-from .sequence import Generation, positions_needed
+from .sequence import Generation, check_sampling, positions_needed
 
 
 class Engine:
@@ -209,23 +209,23 @@ class Engine:
 
     def sampling_generator(self, temperature: float, top_p: float, seed: int | None) -> torch.Generator | None:
         """Check the sampling options -> the sequence's own seeded generator (None for greedy decoding)."""
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
+        check_sampling(temperature, top_p)
         if temperature == 0:
             return None
         return torch.Generator(self.device).manual_seed(seed if seed is not None else 0)
 
-    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Refuse, before any work, a request that the positions or the cache cannot hold."""
+    def check_request(self, prompt_len: int, max_new_tokens: int, tokens_name: str = "max_new_tokens") -> None:
+        """Refuse, before any work, a request that the positions or the cache cannot hold. tokens_name: what the
+        caller calls the new-token count (the server's requests say max_tokens)."""
         if prompt_len < 1:
             raise ValueError("the prompt is empty; give at least one token")
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens = {max_new_tokens}: must be >= 1")
+            raise ValueError(f"{tokens_name} = {max_new_tokens}: must be >= 1")
         needed = positions_needed(prompt_len, max_new_tokens)  # the last generated token is never fed back
         limit = self.config.model.max_position_embeddings
         if needed > limit:
             raise ValueError(f"{prompt_len} prompt + {max_new_tokens} new tokens need {needed} positions but "
-                             f"max_position_embeddings is {limit}; shorten the prompt or max_new_tokens")
+                             f"max_position_embeddings is {limit}; shorten the prompt or {tokens_name}")
         kv = self.config.kv_cache
         if kv.enable and kv.layout == "paged":
             capacity = self.pool.num_blocks * self.pool.block_size

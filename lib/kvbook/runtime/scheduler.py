@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from ..device import synchronize
 from .sampling import sample_next
-from .sequence import Sequence, make_step
+from .sequence import Sequence, check_token_ids, make_step
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class Scheduler:
         if max_new_tokens is None:
             max_new_tokens = self.engine.config.inference.output_len
         self.engine.check_request(len(prompt), max_new_tokens)
+        check_token_ids(prompt, self.engine.config.model.vocab_size)
         seq = Sequence(self._next_id, list(prompt), max_new_tokens, temperature, top_p, seed, ignore_eos,
                        generator=self.engine.sampling_generator(temperature, top_p, seed), tracer=tracer)
         self._next_id += 1

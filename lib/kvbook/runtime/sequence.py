@@ -19,6 +19,22 @@ def positions_needed(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max_new_tokens - 1
 
 
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Refuse sampling options no sampler can use, one line naming the option."""
+    if temperature < 0:
+        raise ValueError(f"temperature = {temperature:g}: must be >= 0 (0 is greedy decoding)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p = {top_p:g}: must be in (0, 1] (1 keeps every token)")
+
+
+def check_token_ids(input_ids: list[int], vocab_size: int) -> None:
+    """Refuse a prompt with an id the embedding has no row for: one line, not an IndexError deep in the model."""
+    bad = next((i for i in input_ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}) of model.vocab_size = "
+                         f"{vocab_size}; give ids below it, or raise model.vocab_size (Qwen3's is 151936)")
+
+
 def stops_on(token: int, ignore_eos: bool) -> bool:
     """The stop rule: an EOS token ends the sequence, unless ignore_eos (benchmarks generate a fixed length)."""
     return token in EOS_IDS and not ignore_eos

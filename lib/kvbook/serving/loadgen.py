@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import Config
+from ..config import Config, ConfigError
 from .client import time_per_token
 
 PROMPTS = [f"Request {i}: explain what a KV cache stores during decoding, and why it saves time." for i in range(64)]
@@ -141,6 +141,22 @@ def _start_server(config_path: str, overrides: list[str]) -> tuple[subprocess.Po
     return process, f"http://127.0.0.1:{port}"
 
 
+def check_server(url: str) -> None:
+    """A server given by --url must answer /health before any load is offered: a wrong address is one error line,
+    not a table of failed requests."""
+    import requests
+
+    try:
+        ok = requests.get(url.rstrip("/") + "/health", timeout=10).ok
+    except (requests.RequestException, ValueError) as err:  # no server there, or not a URL at all
+        reason = type(err).__name__
+    else:
+        reason = None if ok else "it answered /health with an error"
+    if reason:
+        raise ConfigError(f"--url {url}: no kvbook server answers there ({reason}); start one with python -m kvbook "
+                          "serve, or leave out --url and the bench starts its own")
+
+
 def run_load(config: Config, config_path: str, overrides: list[str], rates: list[float], count: int,
              max_tokens: int, url: str | None = None, seed: int = 0, progress=print) -> dict:
     from urllib.parse import urlparse
@@ -149,6 +165,8 @@ def run_load(config: Config, config_path: str, overrides: list[str], rates: list
     if url is None:
         progress(f"kvbook bench: starting the server ({config.model.num_hidden_layers} layers) ...")
         process, url = _start_server(config_path, overrides)
+    else:
+        check_server(url)
     base_url = url.rstrip("/") + urlparse(config.server.api_base).path.rstrip("/") + "/v1"
     rows = []
     try:

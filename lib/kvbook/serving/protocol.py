@@ -103,6 +103,8 @@ class ChatCompletionRequest(BaseModel):
     stream_options: Annotated[StreamOptions | None, _must_be("an object like {\"include_usage\": true}")] = None
     ignore_eos: Annotated[bool | None, Field(strict=True)] = Field(
         False, description="vLLM's extension: always produce max_tokens tokens")
+    n: Annotated[int | None, Field(strict=True, ge=1, le=1)] = Field(
+        None, description="choices per request: one is served (a client asking for more gets a 400, not fewer)")
 
     @property
     def new_tokens(self) -> int | None:

@@ -193,7 +193,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer | None = None, record_timeli
             raise RequestError(f"the prompt has {len(input_ids)} tokens; this server holds at most {room} "
                                "positions per sequence (prompt + max_tokens - 1); shorten the messages", "messages")
         try:
-            engine.check_request(len(input_ids), sampling.max_tokens)
+            engine.check_request(len(input_ids), sampling.max_tokens, tokens_name="max_tokens")
         except (ValueError, CacheFullError) as err:  # max_tokens does not fit after this prompt
             raise RequestError(str(err), "max_tokens") from None
         if app.state.draining:

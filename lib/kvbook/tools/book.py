@@ -22,7 +22,7 @@ from ..cache.memory import DTYPE_BYTES, kv_cache_bytes
 from ..config import Config, ModelConfig, load_config
 from ..device import enable_huge_pages
 
-matplotlib.rcParams.update({"figure.dpi": 72, "figure.figsize": (6.4, 3.2), "axes.grid": True, "grid.alpha": 0.3})
+matplotlib.rcParams.update({"figure.dpi": 110, "figure.figsize": (6.4, 3.2), "axes.grid": True, "grid.alpha": 0.3})
 
 
 def config_path() -> Path:

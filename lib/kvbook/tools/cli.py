@@ -72,17 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=2,
                        help="with --against: alternate engine and peer this many times (default: %(default)s)")
     bench.add_argument("--no-cold", action="store_true", help="skip timing a build into an empty weight cache")
-    bench.add_argument("--roofline", action="store_true",
-                       help="instead: FLOPs, bytes, time and achieved rates of every op in prefill and one decode step")
-    bench.add_argument("--batch-sweep", metavar="SIZES",
-                       help="instead: TPOT, tokens/s and KV memory for each batch size, e.g. 1,2,4,8,16,32")
-    bench.add_argument("--concurrency", type=int, metavar="N",
-                       help="instead: one request alone, then N at once, through the server (continuous batching)")
+    mode = bench.add_mutually_exclusive_group()  # each "instead" is a bench of its own
+    mode.add_argument("--roofline", action="store_true",
+                      help="instead: FLOPs, bytes, time and achieved rates of every op in prefill and one decode step")
+    mode.add_argument("--batch-sweep", metavar="SIZES",
+                      help="instead: TPOT, tokens/s and KV memory for each batch size, e.g. 1,2,4,8,16,32")
+    mode.add_argument("--concurrency", type=int, metavar="N",
+                      help="instead: one request alone, then N at once, through the server (continuous batching)")
     bench.add_argument("--max-tokens", type=int, default=64,
                        help="with --concurrency or --load: new tokens per request (default: %(default)s)")
-    bench.add_argument("--load", metavar="RATES",
-                       help="instead: streaming requests at each offered rate (requests/s, Poisson arrivals) "
-                            "through a server process; TTFT and ITL percentiles and the knee, e.g. 0.5,1,2,4")
+    mode.add_argument("--load", metavar="RATES",
+                      help="instead: streaming requests at each offered rate (requests/s, Poisson arrivals) "
+                           "through a server process; TTFT and ITL percentiles and the knee, e.g. 0.5,1,2,4")
     bench.add_argument("--requests", type=int, default=16, help="with --load: requests per rate (default: %(default)s)")
     bench.add_argument("--url", help="with --load: a running server (http://host:port) instead of starting one")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -95,11 +96,13 @@ def _fmt(shape) -> str:
 
 def cmd_trace(config: Config, args) -> None:
     from ..runtime.engine import Engine
+    from ..runtime.sequence import check_token_ids
     from ..tokenizer import build_prompt_ids
     from .trace import Tracer, checklist
 
-    engine = Engine(config, progress=not args.json)
     input_ids = build_prompt_ids(config.inference.input_len)
+    check_token_ids(input_ids, config.model.vocab_size)  # before the model loads
+    engine = Engine(config, progress=not args.json)
     with Tracer(engine.model) as tracer:
         run = engine.generate(input_ids, config.inference.output_len, ignore_eos=True, tracer=tracer)
     result = checklist(tracer, run.output_ids)
@@ -117,7 +120,8 @@ def cmd_trace(config: Config, args) -> None:
     for layer in pre["layers"]:
         print(f"  layer {layer['layer']} output            {_fmt(layer['output'])}")
     for c in pre["kv_cache"]:
-        print(f"  cache K{c['layer']} V{c['layer']}                {_fmt(c['k'])} {_fmt(c['v'])}")
+        name = f"cache K{c['layer']} V{c['layer']}"
+        print(f"  {name:26s}{_fmt(c['k'])} {_fmt(c['v'])}")
     print(f"  attention weights         {_fmt(pre['attention_weights'])}")
     print(f"  logits (last position)    {_fmt(pre['logits'])} -> first token {pre['first_token']}")
     if "blocks" in pre:
@@ -145,6 +149,7 @@ def cmd_serve(config: Config, args) -> None:
     base = urlparse(config.server.api_base)
     host = args.host or base.hostname or "127.0.0.1"
     port = args.port if args.port is not None else (base.port or 8000)
+    _check_address(host, port)  # before a minute of loading and packing, not after
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(config)
     key_state = "required" if os.environ.get(config.server.api_key_env) else "not required"
@@ -155,11 +160,29 @@ def cmd_serve(config: Config, args) -> None:
     GracefulServer(create_app(engine), host, port, args.shutdown_grace, args.log_level).run()
 
 
+def _check_address(host: str, port: int) -> None:
+    """Whether the server could listen on host:port now: one line naming the problem and the option to change."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port}: a port is 0..65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(infos[0][4])
+    except OSError as err:  # socket.gaierror included: a host name nobody resolves
+        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror or err}); pass another --port, or --host "
+                          "an address of this machine") from None
+
+
 def cmd_bench(config: Config, args) -> None:
     from .bench import format_table, run_bench
 
     if min(args.repeats, args.steps, args.rounds) < 1:
         raise ConfigError("--repeats, --steps and --rounds must be >= 1")
+    if args.url and not args.load:
+        raise ConfigError("--url needs --load RATES (the load bench is the one that sends requests to a server)")
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if args.batch_sweep:
         from .bench import format_batch_sweep, run_batch_sweep
@@ -216,10 +239,14 @@ def _parse_ints(text: str, option: str, what: str, example: str) -> list[int]:
 
 def cmd_generate(config: Config, args) -> None:
     from ..runtime.engine import Engine
+    from ..runtime.sequence import check_sampling, check_token_ids
     from ..tokenizer import build_prompt_ids, get_default_tokenizer
 
     if args.num_layers is not None and not args.checkpoint:
         raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    check_sampling(args.temperature, args.top_p)  # before the model loads, as every check below that can
     tokenizer = get_default_tokenizer()
     if args.prompt is not None:
         input_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -227,14 +254,12 @@ def cmd_generate(config: Config, args) -> None:
         input_ids = _parse_ints(args.input_ids, "--input-ids", "comma-separated integers", "9707,1879")
     else:
         input_ids = build_prompt_ids(config.inference.input_len, tokenizer)
-    if args.checkpoint:
+    if args.checkpoint:  # its vocabulary is known once its config.json is read
         engine = Engine.from_checkpoint(config, args.checkpoint, args.num_layers)
+        check_token_ids(input_ids, engine.config.model.vocab_size)
     else:
+        check_token_ids(input_ids, config.model.vocab_size)
         engine = Engine(config, progress=not args.json)
-    vocab = engine.config.model.vocab_size
-    bad = [i for i in input_ids if not 0 <= i < vocab]
-    if bad:
-        raise ConfigError(f"--input-ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
     run = engine.generate(input_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           seed=args.seed, ignore_eos=args.ignore_eos)
     text = tokenizer.decode(run.output_ids)

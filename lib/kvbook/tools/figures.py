@@ -2,10 +2,12 @@
 timeline, the KV append and the paged block table. Each function returns a small matplotlib Figure whose labels
 are computed from its arguments (a ModelConfig, lengths, block tables), so the pictures follow config.toml.
 
-Used in chapters 3 ("Inside layer 0"), 5a ("Inference from scratch") and 9 ("Memory").
+Used in chapters 1 ("The pipeline"), 3 ("Inside layer 0"), 5a ("Inference from scratch") and 9 ("Memory").
 """
 
 from __future__ import annotations
+
+import math
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch, Rectangle
@@ -107,11 +109,17 @@ def timeline_diagram(input_len: int, decode_steps: int, ttft_ms: float | None = 
     ax.add_patch(Rectangle((0, 0), prefill, 1, facecolor=PREFILL_COLOR, edgecolor="0.3"))
     ax.text(prefill / 2, 0.5, f"prefill\n{input_len} positions\n\u2192 token 1", ha="center", va="center",
             fontsize=8)
-    for i in range(decode_steps):  # each box is labelled with the token its step gives: step 1 gives token 2
+    end = prefill + decode_steps * step
+    # Each box is labelled with the token its step gives (step 1 gives token 2); where boxes are narrower than a
+    # label, every k-th box is, so that the numbers never run into each other.
+    box_points = figsize[0] * 72 * 0.9 * step / (end * 1.02)  # the axes take about 90% of the figure's width
+    label_points = 0.65 * 7 * len(str(decode_steps + 1)) + 2  # a 7-point digit is about 0.65 x 7 points wide
+    every = math.ceil(label_points / box_points)
+    for i in range(decode_steps):
         start = prefill + i * step
         ax.add_patch(Rectangle((start, 0), step, 1, facecolor=DECODE_COLOR, edgecolor="0.3"))
-        ax.text(start + step / 2, 0.5, f"{i + 2}", ha="center", va="center", fontsize=7)
-    end = prefill + decode_steps * step
+        if i % every == 0:
+            ax.text(start + step / 2, 0.5, f"{i + 2}", ha="center", va="center", fontsize=7)
     for x0, x1, label in ((0, prefill, "TTFT"), (prefill, prefill + step, "TPOT")):
         ax.annotate("", xy=(x1, 1.25), xytext=(x0, 1.25), arrowprops={"arrowstyle": "<->", "linewidth": 0.8})
         ax.text((x0 + x1) / 2, 1.35, label, ha="center", va="bottom", fontsize=8)
@@ -174,13 +182,13 @@ def block_table_diagram(block_table: list[int], cache_len: int, block_size: int,
         x = logical * spacing
         ax.add_patch(Rectangle((x, 2), 0.9, 0.7, facecolor=DECODE_COLOR if filled < block_size else PREFILL_COLOR,
                                edgecolor="0.3", linewidth=0.6))
-        ax.text(x + 0.45, 2.35, str(logical), ha="center", va="center", fontsize=6)
+        ax.text(x + 0.45, 2.35, str(logical), ha="center", va="center", fontsize=7)
         ax.annotate("", xy=(column[physical] + 0.45, 0.75), xytext=(x + 0.45, 2.0),
                     arrowprops={"arrowstyle": "->", "color": "0.4", "linewidth": 0.6})
     for block in pool:
         color = PREFILL_COLOR if block in block_table else ("0.8" if block in other_blocks else "white")
         ax.add_patch(Rectangle((column[block], 0), 0.9, 0.7, facecolor=color, edgecolor="0.3", linewidth=0.6))
-        ax.text(column[block] + 0.45, 0.35, str(block), ha="center", va="center", fontsize=6)
+        ax.text(column[block] + 0.45, 0.35, str(block), ha="center", va="center", fontsize=7)
     ax.text(-0.3, 2.35, "logical", ha="right", va="center", fontsize=8)
     ax.text(-0.3, 0.35, "physical", ha="right", va="center", fontsize=8)
     partial = cache_len - (len(block_table) - 1) * block_size
