@@ -77,6 +77,15 @@ def test_generate_json_on_a_tiny_model(env):
     assert out["device"] == "cpu" and out["dtype"] == "float32"
 
 
+def test_generate_prints_the_text_as_it_comes_and_it_is_the_json_text(env):
+    args = ["generate", "--input-ids", "9707,1879", "--max-new-tokens", "6", "--ignore-eos", *TINY]
+    streamed = kvbook(*args, env=env)
+    whole = kvbook(*args, "--json", env=env)
+    assert streamed.returncode == whole.returncode == 0, streamed.stderr + whole.stderr
+    assert streamed.stdout == json.loads(whole.stdout)["text"] + "\n"  # the same greedy tokens, one process each
+    assert "finish_reason length, cache_len 7" in streamed.stderr
+
+
 def test_generate_prompt_uses_chat_template_and_rejects_out_of_vocab_ids(env):
     result = kvbook("generate", "--prompt", "Hello world", "--max-new-tokens", "2", "--json", *TINY, env=env)
     assert result.returncode == 0, result.stderr

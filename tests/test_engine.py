@@ -133,6 +133,9 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(engine):
     c = engine.generate(PROMPT, 6, temperature=1.5, seed=8, ignore_eos=True).output_ids
     assert a == b and a != c
     assert engine.generate(PROMPT, 6, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True).output_ids == greedy
+    seen = []  # generate hands each Step over as it comes (the CLI prints its text then)
+    run = engine.generate(PROMPT, 4, ignore_eos=True, on_step=seen.append)
+    assert [step.token_id for step in seen] == run.output_ids and [step.index for step in seen] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="temperature = -1: must be >= 0"):
         next(engine.stream(PROMPT, 3, temperature=-1))
     with pytest.raises(ValueError, match=r"top_p = 1.5: must be in \(0, 1\]"):  # only the option that is wrong

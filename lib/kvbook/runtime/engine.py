@@ -289,10 +289,13 @@ class Engine:
         return [seq.generation() for seq in sequences]
 
     def generate(self, input_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None) -> Generation:
-        """Run stream()'s loop to the end -> the Generation, with the sequence's own finish reason."""
+                 top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None,
+                 on_step=None) -> Generation:
+        """Run stream()'s loop to the end -> the Generation, with the sequence's own finish reason. on_step: called
+        with each Step as it comes (the CLI prints each token's text while the rest is computed)."""
         scheduler = Scheduler(self, max_num_seqs=1)
         seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer=tracer)
-        for _ in self._run_alone(scheduler, seq):
-            pass
+        for step in self._run_alone(scheduler, seq):
+            if on_step is not None:
+                on_step(step)
         return seq.generation()

@@ -240,6 +240,7 @@ def _parse_ints(text: str, option: str, what: str, example: str) -> list[int]:
 def cmd_generate(config: Config, args) -> None:
     from ..runtime.engine import Engine
     from ..runtime.sequence import check_sampling, check_token_ids
+    from ..serving.text_stream import TextStream
     from ..tokenizer import build_prompt_ids, get_default_tokenizer
 
     if args.num_layers is not None and not args.checkpoint:
@@ -260,8 +261,13 @@ def cmd_generate(config: Config, args) -> None:
     else:
         check_token_ids(input_ids, config.model.vocab_size)
         engine = Engine(config, progress=not args.json)
+    text_stream = TextStream(tokenizer, stop=[])  # the text as it is generated (an incomplete character waits)
+
+    def show(step) -> None:
+        print(text_stream.add(step.token_id), end="", flush=True)
+
     run = engine.generate(input_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          seed=args.seed, ignore_eos=args.ignore_eos)
+                          seed=args.seed, ignore_eos=args.ignore_eos, on_step=None if args.json else show)
     text = tokenizer.decode(run.output_ids)
     if args.json:
         print(json.dumps({"input_ids": input_ids, "output_ids": run.output_ids, "text": text,
@@ -271,7 +277,7 @@ def cmd_generate(config: Config, args) -> None:
                           "dtype": engine.config.inference.dtype,
                           "paths": engine.describe_paths(), "paths_text": engine.paths.describe()}))
         return
-    print(text)
+    print(text_stream.finish())
     tpot = f"{run.tpot_ms:.1f} ms" if run.tpot_ms is not None else "-"
     print(f"[{len(input_ids)} prompt + {len(run.output_ids)} generated tokens, finish_reason "
           f"{run.finish_reason}, cache_len {run.cache_len}, TTFT {run.ttft_ms:.1f} ms, TPOT {tpot}, "
