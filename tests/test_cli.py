@@ -4,7 +4,6 @@ import json
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -35,7 +34,29 @@ def env(tmp_path, monkeypatch):
     (["generate", "--input-ids", "1,x"], "expected comma-separated integers"),
     (["generate", "--prompt", "hi", "--checkpoint", "/nonexistent"], "has no config.json"),
     (["generate", "--prompt", "hi", "--num-layers", "1"], "--num-layers needs --checkpoint"),
-    # argument mistakes are found before the model loads (no weights drawn: checked below)
+])
+def test_user_mistakes_are_one_line_and_exit_2(args, fragment, env):
+    result = kvbook(*args, env=env)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("kvbook: device")]
+    assert len(lines) == 1 and lines[0].startswith("kvbook: error: ") and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def refused_before_loading(args, tmp_path, monkeypatch, capsys) -> str:
+    """main(args) in this process (the subprocess test above shows it is the same as python -m kvbook): exit code
+    2, one line, and no weights drawn -> that line."""
+    from kvbook.tools.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert main(args) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("kvbook: device")]
+    assert len(lines) == 1 and lines[0].startswith("kvbook: error: "), lines
+    assert not (tmp_path / "xdg" / "kvbook").exists()  # refused before any weights were drawn or paths timed
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, fragment", [
     (["generate", "--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
     (["generate", "--temperature", "-1"], "temperature = -1: must be >= 0"),
     (["generate", "--top-p", "0"], "top_p = 0: must be in (0, 1]"),
@@ -46,24 +67,17 @@ def env(tmp_path, monkeypatch):
     (["bench", "--url", "http://127.0.0.1:9"], "--url needs --load RATES"),
     (["bench", "--load", "1", "--url", "http://127.0.0.1:9"], "--url http://127.0.0.1:9: no kvbook server answers"),
 ])
-def test_user_mistakes_are_one_line_and_exit_2(args, fragment, env):
-    result = kvbook(*args, env=env)
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if not line.startswith("kvbook: device")]
-    assert len(lines) == 1 and lines[0].startswith("kvbook: error: ") and fragment in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
-    assert not (Path(env["XDG_CACHE_HOME"]) / "kvbook").exists()  # refused before any weights were drawn
+def test_argument_mistakes_are_refused_before_the_model_loads(args, fragment, tmp_path, monkeypatch, capsys):
+    assert fragment in refused_before_loading(args, tmp_path, monkeypatch, capsys)
 
 
-def test_serve_refuses_a_port_in_use_before_loading_the_model(env):
+def test_serve_refuses_a_port_in_use_before_loading_the_model(tmp_path, monkeypatch, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = kvbook("serve", "--port", str(port), env=env)
-    assert result.returncode == 2 and f"kvbook: error: cannot listen on 127.0.0.1:{port} (Address already in use)" \
-        in result.stderr, result.stderr
-    assert not (Path(env["XDG_CACHE_HOME"]) / "kvbook").exists()
+        line = refused_before_loading(["serve", "--port", str(port)], tmp_path, monkeypatch, capsys)
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use)" in line
 
 
 def test_generate_json_on_a_tiny_model(env):

@@ -116,3 +116,14 @@ def test_block_table_points_each_logical_block_at_its_physical_block():
     assert [arrow.xy[0] for arrow in arrows] == [pool_x[str(b)] for b in table]
     texts = rendered_texts(fig)
     assert "40 positions in 3 blocks of 16 (last one holds 8)" in texts
+
+
+def test_the_attention_heatmap_draws_no_grid_over_the_weights():
+    import torch
+    from kvbook.tools.book import plot_attention_heatmap
+
+    fig = plot_attention_heatmap(torch.rand(8, 8).tril(), "one head")
+    fig.canvas.draw()
+    heatmap = fig.axes[0]
+    assert not any(line.get_visible() for line in heatmap.get_xgridlines() + heatmap.get_ygridlines())
+    plt.close(fig)

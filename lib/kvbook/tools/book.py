@@ -140,6 +140,7 @@ def plot_step_latency(steps: pd.DataFrame, title: str = "Latency of each step"):
 def plot_attention_heatmap(weights: torch.Tensor, title: str):
     """weights [T, S]: one head's attention in prefill, the causal mask visible as the empty upper triangle."""
     fig, ax = plt.subplots(figsize=(4.2, 3.6))
+    ax.grid(False)  # the book's grid (rcParams above) would draw over the weights
     image = ax.imshow(weights.numpy(), cmap="viridis", interpolation="nearest", aspect="auto",
                       norm=matplotlib.colors.PowerNorm(0.4))
     ax.set_xlabel("key position (what is looked at)")
