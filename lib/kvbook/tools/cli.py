@@ -247,7 +247,7 @@ def cmd_generate(config: Config, args) -> None:
         raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    check_sampling(args.temperature, args.top_p)  # before the model loads, as every check below that can
+    check_sampling(args.temperature, args.top_p)  # every check that needs no model runs before the model loads
     tokenizer = get_default_tokenizer()
     if args.prompt is not None:
         input_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -255,9 +255,8 @@ def cmd_generate(config: Config, args) -> None:
         input_ids = _parse_ints(args.input_ids, "--input-ids", "comma-separated integers", "9707,1879")
     else:
         input_ids = build_prompt_ids(config.inference.input_len, tokenizer)
-    if args.checkpoint:  # its vocabulary is known once its config.json is read
+    if args.checkpoint:  # its vocabulary is its config.json's: the engine checks the ids against it
         engine = Engine.from_checkpoint(config, args.checkpoint, args.num_layers)
-        check_token_ids(input_ids, engine.config.model.vocab_size)
     else:
         check_token_ids(input_ids, config.model.vocab_size)
         engine = Engine(config, progress=not args.json)
