@@ -127,6 +127,7 @@ def test_batch_sweep_reports_tokens_per_second_per_batch_size(tmp_path):
     for r in rows:
         assert abs(r["tokens_per_s"] - r["batch_size"] * 1e3 / r["tpot_ms"]) < 1e-6
     assert rows[1]["kv_cache_mib"] == 3 * rows[0]["kv_cache_mib"]
+    assert sweep["peak_memory_of"] == "process RSS" and all(r["peak_memory_mb"] > 0 for r in rows)  # a CPU's
     bad = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--batch-sweep", "1,x"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "expected batch sizes like 1,2,4,8" in bad.stderr

@@ -56,6 +56,11 @@ def _peak_memory_mb(r: dict) -> float:
     return r.get("peak_gpu_mb", r["peak_rss_mb"])
 
 
+def _peak_memory_of(r: dict) -> str:
+    """What _peak_memory_mb(r) measured."""
+    return "GPU memory allocated" if "peak_gpu_mb" in r else "process RSS"
+
+
 # Cold starts timed (median reported): on a virtual machine the first process in a while to ask for gigabytes of
 # memory can pay seconds for it, whatever it runs (BENCHMARKS.md, "Cold start").
 COLD_RUNS = 3
@@ -298,7 +303,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         "ttft_ms": engine["ttft_ms"], "tpot_ms": engine["tpot_ms"],
         "tokens_per_s": batch * 1e3 / engine["tpot_ms"], "batch_size": batch,
         "ready_s": engine["ready_s"], "peak_rss_mb": engine["peak_rss_mb"], "peak_memory_mb": _peak_memory_mb(engine),
-        "peak_memory_of": "GPU memory allocated" if "peak_gpu_mb" in engine else "process RSS",
+        "peak_memory_of": _peak_memory_of(engine),
         "memory_floor_ms": memory_floor_ms, "compute_floor_ms": compute_floor_ms,
         "floors": {"decode_weight_bytes": weights_read, "decode_kv_bytes": kv_read,
                    "read_gbps": read_gbps, "read_gbps_samples": [round(r, 2) for r in reads],
@@ -359,7 +364,7 @@ def run_batch_sweep(config: Config, config_path: str, overrides: list[str], size
         kv = kv_cache_bytes(config.model, config.inference.input_len + steps, config.kv_cache.cache_dtype, size)
         rows.append({"batch_size": size, "tpot_ms": tpot, "tokens_per_s": size * 1e3 / tpot,
                      "kv_cache_mib": kv / 2**20, "peak_memory_mb": _peak_memory_mb(r), "cuda_graphs": r["cuda_graphs"]})
-    return {"sweep": rows, "device": r["device"], "peak_memory_of": "GPU MiB" if "peak_gpu_mb" in r else "RSS MiB",
+    return {"sweep": rows, "device": r["device"], "peak_memory_of": _peak_memory_of(r),
             "input_len": config.inference.input_len, "decode_steps": steps,
             "dtype": config.inference.dtype, "batched_decode_dtype": r["batched_decode_dtype"]}
 
@@ -368,7 +373,8 @@ def format_batch_sweep(r: dict) -> str:
     lines = [f"batch sweep on {r['device']}: prompts of {r['input_len']} tokens, {r['decode_steps']} decode steps; "
              f"a step of 2+ sequences computes in {r['batched_decode_dtype']}"
              + ("; a lone sequence replays CUDA graphs, a batch runs eagerly" if r["sweep"][0]["cuda_graphs"] else ""),
-             f"{'batch':>6s}{'TPOT ms':>10s}{'tokens/s':>10s}{'KV MiB':>9s}{'peak ' + r['peak_memory_of']:>14s}"]
+             f"{'batch':>6s}{'TPOT ms':>10s}{'tokens/s':>10s}{'KV MiB':>9s}"
+             f"{'peak RSS MiB' if r['peak_memory_of'] == 'process RSS' else 'peak GPU MiB':>14s}"]
     for row in r["sweep"]:
         lines.append(f"{row['batch_size']:6d}{row['tpot_ms']:10.1f}{row['tokens_per_s']:10.1f}"
                      f"{row['kv_cache_mib']:9.1f}{row['peak_memory_mb']:14.0f}")
