@@ -85,8 +85,7 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache, monkeypatc
 
 
 def test_a_choice_timed_on_a_busy_machine_is_used_but_not_cached(weight_cache, monkeypatch):
-    from kvbook.runtime import paths
-
+    paths = kvbook.runtime.paths
     with paths.OthersLoad() as load:  # the real /proc/stat: a share of the machine
         sum(range(10**6))
     assert load.share is None or 0 <= load.share <= 1

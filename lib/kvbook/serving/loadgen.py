@@ -118,9 +118,18 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _start_server(config_path: str, overrides: list[str]) -> tuple[subprocess.Popen, str]:
+def _unhealthy(url: str, timeout: float) -> str | None:
+    """Why the server at url does not answer /health ok, or None when it does."""
     import requests
 
+    try:
+        return None if requests.get(url.rstrip("/") + "/health", timeout=timeout).ok else \
+            "it answered /health with an error"
+    except (requests.RequestException, ValueError) as err:  # no server there (yet), or not a URL at all
+        return type(err).__name__
+
+
+def _start_server(config_path: str, overrides: list[str]) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     command = [sys.executable, "-m", "kvbook", "serve", "--config", config_path, "--port", str(port),
                "--log-level", "warning", *[arg for o in overrides for arg in ("--set", o)]]
@@ -129,11 +138,8 @@ def _start_server(config_path: str, overrides: list[str]) -> tuple[subprocess.Po
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"the server did not start: {process.communicate()[1].strip()}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).ok:
-                break
-        except requests.ConnectionError:
-            pass
+        if _unhealthy(f"http://127.0.0.1:{port}", timeout=1) is None:
+            break
         if time.monotonic() > deadline:
             process.kill()
             raise RuntimeError("the server did not answer /health within 15 minutes")
@@ -144,14 +150,7 @@ def _start_server(config_path: str, overrides: list[str]) -> tuple[subprocess.Po
 def check_server(url: str) -> None:
     """A server given by --url must answer /health before any load is offered: a wrong address is one error line,
     not a table of failed requests."""
-    import requests
-
-    try:
-        ok = requests.get(url.rstrip("/") + "/health", timeout=10).ok
-    except (requests.RequestException, ValueError) as err:  # no server there, or not a URL at all
-        reason = type(err).__name__
-    else:
-        reason = None if ok else "it answered /health with an error"
+    reason = _unhealthy(url, timeout=10)
     if reason:
         raise ConfigError(f"--url {url}: no kvbook server answers there ({reason}); start one with python -m kvbook "
                           "serve, or leave out --url and the bench starts its own")

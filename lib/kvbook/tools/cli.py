@@ -267,9 +267,9 @@ def cmd_generate(config: Config, args) -> None:
 
     run = engine.generate(input_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           seed=args.seed, ignore_eos=args.ignore_eos, on_step=None if args.json else show)
-    text = tokenizer.decode(run.output_ids)
     if args.json:
-        print(json.dumps({"input_ids": input_ids, "output_ids": run.output_ids, "text": text,
+        print(json.dumps({"input_ids": input_ids, "output_ids": run.output_ids,
+                          "text": tokenizer.decode(run.output_ids),
                           "finish_reason": run.finish_reason, "cache_len": run.cache_len,
                           "ready_s": engine.ready_s, "ttft_ms": run.ttft_ms, "tpot_ms": run.tpot_ms,
                           "device": str(engine.device),
