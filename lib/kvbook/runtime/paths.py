@@ -63,7 +63,7 @@ from ..model.quant import INT8
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 7  # bump when what is measured changes, so old choices are measured again
+PATHS_VERSION = 8  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
 MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
@@ -380,16 +380,27 @@ def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device,
     return plain * 1e3, split * 1e3
 
 
+def matrix_shapes(config: Config) -> list[tuple[int, int]]:
+    """Every distinct (out, in) shape of the weight matrices a decode step multiplies by, lm_head's included, with
+    at most TIMED_ROWS_MAX output rows (a kernel's choice of blocking follows the output count up to well below it)."""
+    m = config.model
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    shapes = [(q, m.hidden_size), (kv, m.hidden_size), (m.hidden_size, q), (m.intermediate_size, m.hidden_size),
+              (m.hidden_size, m.intermediate_size), (m.vocab_size, m.hidden_size)]
+    return sorted({(min(out, TIMED_ROWS_MAX), width) for out, width in shapes})
+
+
 def invariant_row_multiple(config: Config, dtype: torch.dtype, device: torch.device, max_rows: int,
                            kernel: str = "torch") -> tuple[int, str]:
     """The smallest multiple m (1, 2, 4, 8, 16) such that, with rows padded to a multiple of m, each of 1..max_rows
-    rows gets exactly the numbers it gets among max_rows, at every input width of the model, through the batched
-    step's kernel; max_rows itself (every step computes as many rows) when none does."""
-    m = config.model
-    widths = sorted({m.hidden_size, m.num_attention_heads * m.head_dim, m.intermediate_size})
+    rows gets exactly the numbers it gets among max_rows, for every matrix shape of the model (matrix_shapes),
+    through the batched step's kernel; max_rows itself (every step computes as many rows) when none does. The output
+    count matters: on an AMD EPYC Zen 5, bfloat16 rounds one row as in a batch against 256 output rows and not
+    against 4096."""
     generator = torch.Generator().manual_seed(0)
-    products = [(product_for(torch.randn(256, width, generator=generator).to(device, dtype), kernel),
-                 torch.randn(max_rows, width, generator=generator).to(device, dtype)) for width in widths]
+    products = [(product_for(torch.randn(out, width, generator=generator).to(device, dtype), kernel),
+                 torch.randn(max_rows, width, generator=generator).to(device, dtype))
+                for out, width in matrix_shapes(config)]
 
     for multiple in (1, 2, 4, 8, 16):
         if multiple > max_rows:
