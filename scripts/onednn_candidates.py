@@ -10,10 +10,23 @@ uses today through F.linear (MKL on x86). Three measurements, results in BENCHMA
    tokens with kvbook.model.linear's F.linear replaced by oneDNN for float32 products of several rows, in one
    process, and the largest difference of the last position's logits.
 
-    flock /tmp/kvbook-heavy.lock .venv/bin/python scripts/onednn_candidates.py
+With --prepacked, instead, the weights oneDNN reorders once (`mkldnn._reorder_linear_weight`, what Inductor's
+weight-packing pass does) against the same weights reordered on every call, in the dtype prefill computes in on this
+machine (bfloat16 where it measured bfloat16 fastest, as on an AMD EPYC Zen 5; results in BENCHMARKS.md, "Zen 5"):
+
+4. 64 and 256 rows times each layer shape, GFLOP/s, best of 10: F.linear, oneDNN, oneDNN on the prepacked weight,
+   and whether the prepacked product equals F.linear's bit for bit;
+5. the engine's TTFT for 20, 64 and 256 prompt tokens with its prefill copies prepacked (4 rounds of 3 runs each,
+   interleaved; median and best), the time the packing took, and whether prefill's logits are equal.
+
+    flock /tmp/kvbook-heavy.lock .venv/bin/python scripts/onednn_candidates.py [--prepacked]
 """
 
+import statistics
+import sys
+import time
 import types
+from functools import partial
 
 import kvbook
 import kvbook.model.linear as linear_module
@@ -101,8 +114,67 @@ def engine_ttft() -> None:
               f"{float((logits['F.linear'] - logits['oneDNN']).abs().max()):.4f}", flush=True)
 
 
+def prepacked_products(dtype: torch.dtype) -> None:
+    for out, width in ((11008, 4096), (4096, 11008), (4096, 4096)):
+        weight = (torch.randn(out, width) * 0.02).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 256)
+        for rows in (64, 256):
+            x = torch.randn(rows, width).to(dtype)
+            flops = 2 * rows * out * width
+            rates = {name: flops / best(partial(fn, x, w)) / 1e9 for name, fn, w in (
+                ("F.linear", F.linear, weight), ("oneDNN", onednn, weight), ("oneDNN prepacked", onednn, packed))}
+            equal = torch.equal(onednn(x, packed), F.linear(x, weight))
+            print(f"{rows:4d} x {width} -> {out}, {dtype}: " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+                  + f" GFLOP/s; prepacked equals F.linear: {equal}", flush=True)
+
+
+def prepacked_engine_ttft() -> None:
+    engine = kvbook.Engine(book_config())
+    dtype = engine.prefill_dtype
+    print(engine.paths.describe()[0])
+    layers = [m for m in linear_module.linears(engine.model) if dtype in m.copies]
+    started = time.perf_counter()
+    packed = {id(m): torch.ops.mkldnn._reorder_linear_weight(m.copies[dtype], 256) for m in layers}
+    print(f"packing {len(layers)} {dtype} copies: {time.perf_counter() - started:.2f} s")
+    plain = {id(m): m.copies[dtype] for m in layers}
+    several_rows = linear_module.several_rows_product
+
+    def through_prepacked(x, weight, onednn_dtype, rows):
+        if rows > 1 and weight.layout == torch._mkldnn:
+            return onednn(x, weight)
+        return several_rows(x, weight, onednn_dtype, rows)
+
+    def use(kind):
+        for m in layers:
+            m.copies[dtype] = (packed if kind == "prepacked" else plain)[id(m)]
+        linear_module.several_rows_product = through_prepacked if kind == "prepacked" else several_rows
+
+    for tokens in (20, 64, 256):
+        prompt = kvbook.build_prompt_ids(tokens)
+        runs, logits = {"plain": [], "prepacked": []}, {}
+        for _ in range(4):
+            for kind in runs:
+                use(kind)
+                engine.generate(prompt, 1)
+                runs[kind] += [engine.generate(prompt, 1).ttft_ms for _ in range(3)]
+        for kind in runs:
+            use(kind)
+            cache = engine.new_cache()
+            logits[kind] = engine.prefill(cache, prompt)[0]
+            engine.release_cache(cache)
+        print(f"{tokens} prompt tokens: TTFT " + ", ".join(
+            f"{kind} median {statistics.median(ms):.0f} ms (best {min(ms):.0f})" for kind, ms in runs.items())
+            + f"; prefill's logits equal: {torch.equal(logits['plain'], logits['prepacked'])}", flush=True)
+    use("plain")
+
+
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    one_row()
-    products()
-    engine_ttft()
+    if "--prepacked" in sys.argv[1:]:
+        for dtype in (torch.bfloat16, torch.float32):
+            prepacked_products(dtype)
+        prepacked_engine_ttft()
+    else:
+        one_row()
+        products()
+        engine_ttft()
