@@ -127,3 +127,27 @@ def test_the_attention_heatmap_draws_no_grid_over_the_weights():
     heatmap = fig.axes[0]
     assert not any(line.get_visible() for line in heatmap.get_xgridlines() + heatmap.get_ygridlines())
     plt.close(fig)
+
+
+def test_every_figure_a_chapter_draws_has_alt_text():
+    # MyST-NB puts a cell's `mystnb.image.alt` on the <img> of its figure; a screen reader, or a reader whose
+    # images do not load, gets that text instead of nothing
+    import json
+    from pathlib import Path
+
+    missing, figures = [], 0
+    for path in sorted((Path(__file__).parent.parent / "chapters").glob("*.ipynb")):
+        for index, cell in enumerate(json.loads(path.read_text("utf-8"))["cells"]):
+            if any("image/png" in output.get("data", {}) for output in cell.get("outputs", [])):
+                figures += 1
+                if len(cell["metadata"].get("mystnb", {}).get("image", {}).get("alt", "").strip()) < 20:
+                    missing.append(f"{path.name} cell {index}")
+    assert figures >= 15 and not missing, f"figures without alt text: {missing}"
+
+
+def test_the_paged_cache_animation_frame_has_alt_text():
+    from kvbook.tools.book import block_table_animation
+
+    html = block_table_animation([[0], [0, 1], [0, 1, 2]], [10, 20, 40], 16, frames=3).data
+    assert html.count("<img ") == 1 and '<img alt="The paged KV cache filling' in html
+    assert "font-awesome" not in html  # and it still renders offline

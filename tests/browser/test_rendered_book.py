@@ -159,6 +159,30 @@ def test_every_link_of_a_page_leads_somewhere(page_path):
     assert not problems, f"{page_path}:\n" + "\n".join(problems)
 
 
+class _Images(html.parser.HTMLParser):
+    """The attributes of every <img> of a page."""
+
+    def __init__(self):
+        super().__init__()
+        self.images = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs))
+
+
+@pytest.mark.parametrize("page_path", PAGES)
+def test_every_figure_of_a_page_has_alt_text(page_path):
+    """Each figure's <img> carries the text its cell's metadata gives (a reader who cannot see it gets that). An
+    animation's frame gets its alt from kvbook.tools.book when its chapter runs (tests/test_figures.py); chapter 9's
+    committed animation was rendered before that, so frames are left out here until its next canonical run."""
+    images = _Images()
+    images.feed((HTML_DIR / page_path).read_text("utf-8"))
+    figures = [image for image in images.images if not image.get("id", "").startswith("_anim_img")]
+    missing = [image.get("src", "?") for image in figures if len((image.get("alt") or "").strip()) < 20]
+    assert not missing, f"{page_path}: images without alt text: {missing}"
+
+
 @pytest.mark.parametrize("page_path", PAGES)
 def test_page_renders_offline_without_errors(browser, base_url, page_path):
     with opened(browser, base_url + page_path) as (page, problems):

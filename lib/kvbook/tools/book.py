@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from html import escape
 from pathlib import Path
 
 import matplotlib
@@ -171,10 +172,12 @@ def _draw_step(ax_attention, ax_cache, recording: DecodeRecording, step: int, la
     ax_cache.set_ylabel("cache length")
 
 
-def _offline_jshtml(animation) -> str:
-    """matplotlib's HTML animation with a slider, minus its Font Awesome link to a CDN: the book's theme bundles
-    the icons, and the book must render offline."""
+def _offline_jshtml(animation, alt: str) -> str:
+    """matplotlib's HTML animation with a slider, minus its Font Awesome link to a CDN (the book's theme bundles
+    the icons, and the book must render offline), its frame carrying alt text (a figure's is set in its cell's
+    metadata, which does not reach HTML the cell prints)."""
     html = animation.to_jshtml(default_mode="once")
+    html = html.replace('<img id="_anim_img', f'<img alt="{escape(alt)}" id="_anim_img', 1)
     return re.sub(r'<link rel="stylesheet"\s+href="https://[^"]*font-awesome[^"]*">', "", html)
 
 
@@ -210,7 +213,9 @@ def block_table_animation(block_tables: list[list[int]], cache_lens: list[int], 
 
     animation = FuncAnimation(fig, draw, frames=len(chosen), interval=700)
     fig.tight_layout()
-    html = _offline_jshtml(animation)
+    html = _offline_jshtml(animation, "The paged KV cache filling, one frame per chosen step: the pool's blocks as "
+                           "a grid, the sequence's blocks shaded by how full they are and numbered by their place "
+                           "in the block table; a slider picks the step.")
     plt.close(fig)
     return HTML(html)
 
