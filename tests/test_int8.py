@@ -130,6 +130,27 @@ def test_int8_matrices_are_cached_beside_the_random_weights(weight_cache):
     assert all(torch.equal(a.qweight, b.qweight) and torch.equal(a.scale, b.scale) for a, b in pairs)
 
 
+def test_int8_matrices_read_back_from_a_misaligned_file_are_multiplied_safely(weight_cache):
+    # a safetensors file's tensors start where its header ends, a multiple of 8 bytes; torch's int8 kernel crashed the
+    # process (a segmentation fault) on a matrix not 64-byte aligned, for a few rows (a batched step, a short
+    # prompt), on an AMD EPYC Zen 5. This config's file is such a one.
+    import struct
+
+    cfg = small_config(dtype="float16")
+    int8_engine(cfg)
+    wait_for_saves()
+    (path,) = weight_cache.glob("*.int8-*")
+    with path.open("rb") as file:
+        header = struct.unpack("<Q", file.read(8))[0]
+    assert (8 + header) % quant.KERNEL_ALIGNMENT != 0  # the tensors in the file are misaligned
+    again = int8_engine(cfg)  # reads them back
+    layers = [m for m in again.model.modules() if isinstance(m, quant.Int8Linear)]
+    assert layers and all(m.qweight.data_ptr() % quant.KERNEL_ALIGNMENT == 0 for m in layers)
+    prompts = [list(range(100, 112)), list(range(300, 309))]  # 12 and 9 rows through the int8 kernel
+    batched = again.generate_batch(prompts, 3, ignore_eos=True)
+    assert [run.output_ids for run in batched] == [again.generate(p, 3, ignore_eos=True).output_ids for p in prompts]
+
+
 def test_int8_engine_equals_its_dequantized_reference(weight_cache):
     """The whole decode path (prefill, cached decode steps, lm_head) against float32 matrices holding q * scale:
     the only difference left is the kernel's bfloat16 rounding of rows and outputs."""
