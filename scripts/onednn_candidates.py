@@ -12,7 +12,8 @@ uses today through F.linear (MKL on x86). Three measurements, results in BENCHMA
 
 With --prepacked, instead, the weights oneDNN reorders once (`mkldnn._reorder_linear_weight`, what Inductor's
 weight-packing pass does) against the same weights reordered on every call, in the dtype prefill computes in on this
-machine (bfloat16 where it measured bfloat16 fastest, as on an AMD EPYC Zen 5; results in BENCHMARKS.md, "Zen 5"):
+machine (bfloat16 where it measured bfloat16 fastest, as on an AMD EPYC Zen 5, where the engine now reorders its
+prefill copy so: kvbook.model.linear.reorder_copies; results in BENCHMARKS.md, "Zen 5"):
 
 4. 64 and 256 rows times each layer shape, GFLOP/s, best of 10: F.linear, oneDNN, oneDNN on the prepacked weight,
    and whether the prepacked product equals F.linear's bit for bit;
@@ -133,21 +134,14 @@ def prepacked_engine_ttft() -> None:
     dtype = engine.prefill_dtype
     print(engine.paths.describe()[0])
     layers = [m for m in linear_module.linears(engine.model) if dtype in m.copies]
+    plain = {id(m): m.weight.to(dtype) for m in layers}  # the engine may have reordered its copies already
     started = time.perf_counter()
-    packed = {id(m): torch.ops.mkldnn._reorder_linear_weight(m.copies[dtype], 256) for m in layers}
-    print(f"packing {len(layers)} {dtype} copies: {time.perf_counter() - started:.2f} s")
-    plain = {id(m): m.copies[dtype] for m in layers}
-    several_rows = linear_module.several_rows_product
+    packed = {id(m): linear_module.reorder_for_onednn(plain[id(m)]) for m in layers}
+    print(f"packing {len(layers)} {dtype} copies: {time.perf_counter() - started:.2f} s (one thread)")
 
-    def through_prepacked(x, weight, onednn_dtype, rows):
-        if rows > 1 and weight.layout == torch._mkldnn:
-            return onednn(x, weight)
-        return several_rows(x, weight, onednn_dtype, rows)
-
-    def use(kind):
+    def use(kind):  # kvbook.model.linear sends every product on a reordered copy through oneDNN
         for m in layers:
             m.copies[dtype] = (packed if kind == "prepacked" else plain)[id(m)]
-        linear_module.several_rows_product = through_prepacked if kind == "prepacked" else several_rows
 
     for tokens in (20, 64, 256):
         prompt = kvbook.build_prompt_ids(tokens)
@@ -165,7 +159,7 @@ def prepacked_engine_ttft() -> None:
         print(f"{tokens} prompt tokens: TTFT " + ", ".join(
             f"{kind} median {statistics.median(ms):.0f} ms (best {min(ms):.0f})" for kind, ms in runs.items())
             + f"; prefill's logits equal: {torch.equal(logits['plain'], logits['prepacked'])}", flush=True)
-    use("plain")
+    use("prepacked")
 
 
 if __name__ == "__main__":

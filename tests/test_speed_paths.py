@@ -420,3 +420,63 @@ def test_an_onednn_prefill_is_the_models_so_a_hand_run_call_gets_the_engines_num
                     paths=fixed_paths(torch.float32, torch.float16, torch.float16))
     assert {m.onednn_dtype for m in shared.model.modules() if isinstance(m, Linear)} == {None}
     assert torch.equal(shared.prefill(shared.new_cache(), PROMPT)[0], plain.prefill(plain.new_cache(), PROMPT)[0])
+
+
+def test_a_copy_laid_out_for_onednn_gives_f_linears_numbers():
+    # where oneDNN's product on a weight reordered once is F.linear's, bit for bit (bfloat16 on an AMD EPYC Zen 5),
+    # prefill's copy is laid out so once; every product on it, of any row count, keeps F.linear's numbers
+    from kvbook.model.linear import reorder_copies, reorder_keeps_numbers
+
+    torch.manual_seed(0)
+    layer = Linear(4096, 512, dtype=torch.float16)
+    layer.weight.data = (torch.randn(512, 4096) * 0.02).half()
+    plain = layer.weight.to(torch.bfloat16)
+    layer.copies[torch.bfloat16] = plain
+    bytes_before = weight_bytes_kept(layer)
+    reorder_copies(layer, torch.bfloat16)
+    reordered = layer.copies[torch.bfloat16]
+    assert reordered.is_mkldnn and weight_bytes_kept(layer) == bytes_before
+
+    def expected(x):  # where the engine reorders, F.linear's own numbers; elsewhere (it does not) oneDNN's
+        if reorder_keeps_numbers(torch.bfloat16):
+            return torch.nn.functional.linear(x, plain)
+        return onednn_linear(x, reordered)
+
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 4096).bfloat16()
+        assert torch.equal(layer(x), expected(x))
+    with batch_invariant_rows(4):  # padded rows too
+        x = torch.randn(3, 4096).bfloat16()
+        assert torch.equal(layer(x), expected(x))
+    layer.split_input(torch.bfloat16, max_width=1024)  # a lone row's column blocks are cut from plain copies only
+    assert torch.bfloat16 not in layer.blocks
+
+
+@pytest.mark.parametrize("weight_dtype", ["float16", "int8"])
+def test_an_engine_lays_out_prefills_copy_for_onednn_only_where_that_changes_no_number(weight_cache, monkeypatch,
+                                                                                       weight_dtype):
+    from kvbook.model import linear as linear_module
+
+    def build(paths):
+        cfg = small_config(dtype="float16").replace(inference={"weight_dtype": weight_dtype})
+        return Engine(cfg, progress=False, paths=paths)
+
+    def reordered(engine):
+        return {m.copies[torch.bfloat16].is_mkldnn for m in engine.model.modules()
+                if torch.bfloat16 in getattr(m, "copies", {})}
+
+    prefill_only = fixed_paths(torch.bfloat16, torch.float16, torch.float16)
+    engine = build(prefill_only)
+    assert reordered(engine) == {linear_module.reorder_keeps_numbers(torch.bfloat16)}
+    assert engine.describe_paths()["prefill_copy_reordered_for_onednn"] == linear_module.reorder_keeps_numbers(
+        torch.bfloat16)
+    # a lone step that computes in the same dtype was timed on F.linear: its copy stays plain
+    assert reordered(build(fixed_paths(torch.bfloat16, torch.bfloat16, torch.bfloat16))) == {False}
+    monkeypatch.setattr(kvbook.runtime.paths, "reorder_keeps_numbers", lambda dtype: False)
+    plain = build(prefill_only)
+    assert reordered(plain) == {False}
+    logits, _ = engine.prefill(engine.new_cache(), PROMPT)
+    torch.testing.assert_close(logits, plain.prefill(plain.new_cache(), PROMPT)[0], atol=1e-3, rtol=1e-3)
+    assert engine.generate(PROMPT, 4, ignore_eos=True).output_ids[0] == \
+        plain.generate(PROMPT, 4, ignore_eos=True).output_ids[0]
+    assert engine.describe_paths()["weight_bytes_kept"] == plain.describe_paths()["weight_bytes_kept"]

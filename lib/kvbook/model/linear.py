@@ -27,6 +27,11 @@ Inductor calls on a CPU, instead of F.linear (MKL on x86): on some CPUs it runs 
 The choice belongs to the layer, not to a phase's context, so that every call of the model (the engine's, or a
 chapter's own `engine.model(...)`) computes a product of several float32 rows the same way. A lone row and a
 batched step keep F.linear, as kvbook.runtime.paths measured them.
+
+Where F.linear in a copy's dtype is itself oneDNN's product (bfloat16 on a CPU with AVX512-BF16), it lays the weight
+out in oneDNN's blocked format on every call. Prefill's copy may instead be laid out so once (`reorder_copies`):
+the same numbers, bit for bit (`reorder_keeps_numbers` checks it on this CPU), sooner. Every product on such a
+weight goes through oneDNN (`product`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ FBGEMM = "fbgemm"  # the kernel name kvbook.runtime.paths gives a phase that mul
 FBGEMM_LABEL = "fbgemm-float16"  # how that phase is shown: float32 rows, float16 weights packed for FBGEMM
 ONEDNN = "onednn"  # the kernel name of a prefill that multiplies its float32 copy through oneDNN's inner product
 ONEDNN_LABEL = "onednn-float32"
+REORDERED = "reordered"  # the kernel name kvbook.runtime.paths times a reordered prefill copy with
+REORDER_ROWS = 256  # oneDNN lays a reordered weight out for products of about this many rows (a prompt's)
 
 _state = threading.local()  # how this thread's products run now: `multiple` (padding) and `packed` (FBGEMM)
 
@@ -106,7 +113,8 @@ class Linear(nn.Linear):
         dtype = dtype or self.weight.dtype
         weight = self.weight_in(dtype)
         count = -(-self.in_features // max_width)
-        if weight is not None and count > 1 and dtype not in self.blocks:  # a shared model is split once
+        # a shared model is split once; a copy laid out for oneDNN is prefill's, never a lone row's
+        if weight is not None and not weight.is_mkldnn and count > 1 and dtype not in self.blocks:
             self.blocks[dtype] = [block.contiguous() for block in weight.chunk(count, dim=1)]
 
     def pack(self) -> None:
@@ -127,7 +135,7 @@ class Linear(nn.Linear):
             x = x.to(self.weight.dtype)
             weight = self.weight
         if multiple is not None:
-            out = padded_rows(x, multiple, partial(F.linear, weight=weight))
+            out = padded_rows(x, multiple, partial(product, weight=weight))
         elif rows == 1 and weight.dtype in self.blocks:
             blocks = self.blocks[weight.dtype]
             parts = x.split(blocks[0].shape[1], dim=-1)
@@ -144,7 +152,42 @@ def several_rows_product(x: torch.Tensor, weight: torch.Tensor, onednn_dtype: to
     decode step's row makes the same torch calls whatever prefill chose (the appendix counts them)."""
     if rows > 1 and x.dtype == onednn_dtype:
         return onednn_linear(x, weight)
-    return F.linear(x, weight)
+    return product(x, weight)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] times weight [out, in]: F.linear, or oneDNN's product where the weight is laid out for it."""
+    return onednn_linear(x, weight) if weight.is_mkldnn else F.linear(x, weight)
+
+
+def reorder_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] in oneDNN's blocked layout for products of several rows (what Inductor's weight packing does;
+    an opaque tensor: only oneDNN's product reads it)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, REORDER_ROWS)
+
+
+@cache
+def reorder_keeps_numbers(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's product on a weight reordered once gives F.linear's numbers bit for bit in dtype on this CPU,
+    for 1 to 256 rows: true where F.linear is that same product (bfloat16 on an AMD EPYC Zen 5)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(512, 4096, generator=generator).to(dtype)  # [out, in]
+        reordered = reorder_for_onednn(weight)
+        rows = [torch.randn(n, 4096, generator=generator).to(dtype) for n in (1, 2, 3, 8, 64, 256)]
+        return all(torch.equal(onednn_linear(x, reordered), F.linear(x, weight)) for x in rows)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def reorder_copies(model: nn.Module, dtype: torch.dtype) -> None:
+    """Replace every layer's copy in dtype (prefill's) by the same values laid out for oneDNN, one after another
+    (oneDNN's reorder is itself parallel)."""
+    for module in model.modules():
+        if dtype in getattr(module, "copies", {}) and not module.copies[dtype].is_mkldnn:
+            module.copies[dtype] = reorder_for_onednn(module.copies[dtype])
 
 
 def padded_rows(x: torch.Tensor, multiple: int, product) -> torch.Tensor:
@@ -217,11 +260,14 @@ def packed_linear(x: torch.Tensor, packed: list) -> torch.Tensor:
 
 def product_for(weight: torch.Tensor, kernel: str = "torch"):
     """x [rows, in] -> x times weight [out, in]: F.linear, with kernel FBGEMM the weight packed once and x float32,
-    with kernel ONEDNN oneDNN's inner product (kvbook.runtime.paths times and checks each candidate through this)."""
+    with kernel ONEDNN oneDNN's inner product, with kernel REORDERED the same on the weight reordered once
+    (kvbook.runtime.paths times and checks each candidate through this)."""
     if kernel == FBGEMM:
         return partial(packed_linear, packed=pack_float16(weight))
     if kernel == ONEDNN:
         return partial(onednn_linear, weight=weight)
+    if kernel == REORDERED:
+        return partial(onednn_linear, weight=reorder_for_onednn(weight))
     return partial(F.linear, weight=weight)
 
 
@@ -276,6 +322,9 @@ def weight_bytes_kept(model: nn.Module) -> int:
         tensors += [b for blocks in getattr(module, "blocks", {}).values() for b in blocks]
     seen, total = set(), 0
     for tensor in tensors:
+        if tensor.is_mkldnn:  # a copy laid out for oneDNN (reorder_copies) has no storage to share
+            total += tensor.numel() * tensor.element_size()
+            continue
         key = (tensor.untyped_storage().data_ptr(), tensor.device)
         if key not in seen:
             seen.add(key)

@@ -27,6 +27,7 @@ from ..model.linear import (
     batch_invariant_rows,
     pack_model,
     packed_products,
+    reorder_copies,
     split_long_inputs,
     use_onednn,
     weight_bytes_kept,
@@ -44,7 +45,7 @@ from ..model.weights import (
 )
 from . import cuda_graph
 from .inputs import prepare_decode
-from .paths import ComputePaths, PhasePath, choose_paths, int8_decode_paths
+from .paths import ComputePaths, PhasePath, choose_paths, int8_decode_paths, reorders_prefill_copy
 from .scheduler import Scheduler
 from .sequence import Generation, check_sampling, positions_needed
 
@@ -90,6 +91,13 @@ class Engine:
             # every caller's product of several prefill rows follows this engine's kernel, not only ours; a model
             # shared with an earlier engine takes this one's choice, as it takes its copies and lm_head's row dtype
             use_onednn(model, self.prefill_dtype if self.paths.prefill.kernel == ONEDNN else None)
+            # prefill's copy laid out once for oneDNN where that changes no number, unless a lone or batched step
+            # multiplies by it too (kvbook.model.linear: what was measured for those phases is F.linear's speed)
+            self.prefill_reordered = (self.paths.prefill.kernel == "torch"
+                                      and reorders_prefill_copy(config, self.prefill_dtype, self.device)
+                                      and self.prefill_dtype not in (self.decode_dtype, self.batched_decode_dtype))
+            if self.prefill_reordered:
+                reorder_copies(model, self.prefill_dtype)
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config
@@ -204,7 +212,8 @@ class Engine:
 
     def describe_paths(self) -> dict:
         """Which arithmetic each phase runs and why, and the bytes kept for the weights (JSON-ready)."""
-        return {**self.paths.to_json(), "weight_bytes_kept": weight_bytes_kept(self.model),
+        return {**self.paths.to_json(), "prefill_copy_reordered_for_onednn": self.prefill_reordered,
+                "weight_bytes_kept": weight_bytes_kept(self.model),
                 "weight_bytes_values": sum(p.nbytes for p in self.model.parameters())}
 
     def sampling_generator(self, temperature: float, top_p: float, seed: int | None) -> torch.Generator | None:

@@ -23,6 +23,10 @@ Prefill has one more candidate where torch has oneDNN (its CPU builds): the floa
 own inner product instead of F.linear ("onednn-float32", kvbook.model.linear). It needs no packing, so every
 engine may use it; a lone row and a batched step keep F.linear.
 
+Where prefill's copy is bfloat16 and F.linear in it is oneDNN's product (a CPU with AVX512-BF16), the copy is laid
+out once in oneDNN's blocked format instead of on every call (kvbook.model.linear.reorder_copies): the same numbers,
+sooner, so it is timed so and is not a separate candidate (reorders_prefill_copy).
+
 Not a candidate: a lone row through a loop torch.compile (Inductor) writes. It made a decode step 10-25 ms faster
 than F.linear on an AVX2 CPU, but every process paid ~5 s to import the compiler and load its code, more than the
 128 steps of a generation save (BENCHMARKS.md, "Thirteenth session").
@@ -53,17 +57,19 @@ from ..model.linear import (
     FBGEMM_LABEL,
     ONEDNN,
     ONEDNN_LABEL,
+    REORDERED,
     fbgemm_available,
     fbgemm_serves,
     onednn_available,
     padded_rows,
     product_for,
+    reorder_keeps_numbers,
 )
 from ..model.quant import INT8
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 8  # bump when what is measured changes, so old choices are measured again
+PATHS_VERSION = 9  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
 MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
@@ -351,12 +357,22 @@ def estimate_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.dev
     return total * 1e3
 
 
+def reorders_prefill_copy(config: Config, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether prefill's copy in dtype is laid out once for oneDNN (kvbook.model.linear.reorder_copies): a copy (not
+    the weights themselves), on a CPU where that gives F.linear's numbers bit for bit. The engine does so when no
+    other phase computes in that dtype; prefill is timed so."""
+    return device.type == "cpu" and dtype != TORCH_DTYPES[config.inference.dtype] and reorder_keeps_numbers(dtype)
+
+
 def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device,
                         best_ms: float = float("inf"), weights: TimingWeights | None = None,
                         kernel: str = "torch") -> float:
     """Prefill's layer matrices for `rows` prompt rows, from one timed gate_proj (at most TIMED_ROWS_MAX of its
     rows: the products are limited by arithmetic, whose rate hardly depends on the matrix's size). best_ms: the
-    best estimate so far; a dtype whose first product already takes 3 times as long is not timed again."""
+    best estimate so far; a dtype whose first product already takes 3 times as long is not timed again. F.linear's
+    copy is timed reordered where the engine will reorder it (reorders_prefill_copy)."""
+    if kernel == "torch" and reorders_prefill_copy(config, dtype, device):
+        kernel = REORDERED
     m = config.model
     params = sum(params for _, params in matrix_groups(config, lm_head=False))
     out = max(1, min(params // m.hidden_size, m.intermediate_size, TIMED_ROWS_MAX))
