@@ -93,10 +93,8 @@ class Engine:
             use_onednn(model, self.prefill_dtype if self.paths.prefill.kernel == ONEDNN else None)
             # prefill's copy laid out once for oneDNN where that changes no number, unless a lone or batched step
             # multiplies by it too (kvbook.model.linear: what was measured for those phases is F.linear's speed)
-            self.prefill_reordered = (self.paths.prefill.kernel == "torch"
-                                      and reorders_prefill_copy(config, self.prefill_dtype, self.device)
-                                      and self.prefill_dtype not in (self.decode_dtype, self.batched_decode_dtype))
-            if self.prefill_reordered:
+            if (self.paths.prefill.kernel == "torch" and reorders_prefill_copy(config, self.prefill_dtype, self.device)
+                    and self.prefill_dtype not in (self.decode_dtype, self.batched_decode_dtype)):
                 reorder_copies(model, self.prefill_dtype)
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
@@ -212,7 +210,9 @@ class Engine:
 
     def describe_paths(self) -> dict:
         """Which arithmetic each phase runs and why, and the bytes kept for the weights (JSON-ready)."""
-        return {**self.paths.to_json(), "prefill_copy_reordered_for_onednn": self.prefill_reordered,
+        copies = [getattr(m, "copies", {}).get(self.prefill_dtype) for m in self.model.modules()]
+        reordered = any(c is not None and c.is_mkldnn for c in copies)  # by this engine or one sharing the model
+        return {**self.paths.to_json(), "prefill_copy_reordered_for_onednn": reordered,
                 "weight_bytes_kept": weight_bytes_kept(self.model),
                 "weight_bytes_values": sum(p.nbytes for p in self.model.parameters())}
 
