@@ -118,7 +118,7 @@ def engine_ttft() -> None:
 def prepacked_products(dtype: torch.dtype) -> None:
     for out, width in ((11008, 4096), (4096, 11008), (4096, 4096)):
         weight = (torch.randn(out, width) * 0.02).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 256)
+        packed = linear_module.reorder_for_onednn(weight)
         for rows in (64, 256):
             x = torch.randn(rows, width).to(dtype)
             flops = 2 * rows * out * width

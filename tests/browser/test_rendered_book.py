@@ -124,16 +124,18 @@ def broken_images(page):
         .map(img => 'broken image: ' + (img.id || img.getAttribute('src') || img.outerHTML).slice(0, 120))""")
 
 
-class _Links(html.parser.HTMLParser):
-    """Every <a href> of a page."""
+class _PageTags(html.parser.HTMLParser):
+    """Every <a href> of a page, and the attributes of every <img>."""
 
     def __init__(self):
         super().__init__()
-        self.hrefs = []
+        self.hrefs, self.images = [], []
 
     def handle_starttag(self, tag, attrs):
         if tag == "a" and dict(attrs).get("href"):
             self.hrefs.append(dict(attrs)["href"])
+        elif tag == "img":
+            self.images.append(dict(attrs))
 
 
 # What the repository's files are called: a link to a "host" with one of these endings is a file name that MyST's
@@ -145,7 +147,7 @@ FILE_SUFFIXES = (".md", ".py", ".json", ".toml", ".yml", ".ipynb", ".sh", ".txt"
 def test_every_link_of_a_page_leads_somewhere(page_path):
     """No file name in the text becomes a link to a web host, and every link inside the book finds its page."""
     assert (HTML_DIR / page_path).is_file(), f"{page_path} is not in the built book"
-    links = _Links()
+    links = _PageTags()
     links.feed((HTML_DIR / page_path).read_text("utf-8"))
     problems = []
     for href in links.hrefs:
@@ -159,24 +161,12 @@ def test_every_link_of_a_page_leads_somewhere(page_path):
     assert not problems, f"{page_path}:\n" + "\n".join(problems)
 
 
-class _Images(html.parser.HTMLParser):
-    """The attributes of every <img> of a page."""
-
-    def __init__(self):
-        super().__init__()
-        self.images = []
-
-    def handle_starttag(self, tag, attrs):
-        if tag == "img":
-            self.images.append(dict(attrs))
-
-
 @pytest.mark.parametrize("page_path", PAGES)
 def test_every_figure_of_a_page_has_alt_text(page_path):
     """Each figure's <img> carries the text its cell's metadata gives (a reader who cannot see it gets that). An
     animation's frame gets its alt from kvbook.tools.book when its chapter runs (tests/test_figures.py); chapter 9's
     committed animation was rendered before that, so frames are left out here until its next canonical run."""
-    images = _Images()
+    images = _PageTags()
     images.feed((HTML_DIR / page_path).read_text("utf-8"))
     figures = [image for image in images.images if not image.get("id", "").startswith("_anim_img")]
     missing = [image.get("src", "?") for image in figures if len((image.get("alt") or "").strip()) < 20]

@@ -93,7 +93,7 @@ class Engine:
             use_onednn(model, self.prefill_dtype if self.paths.prefill.kernel == ONEDNN else None)
             # prefill's copy laid out once for oneDNN where that changes no number, unless a lone or batched step
             # multiplies by it too (kvbook.model.linear: what was measured for those phases is F.linear's speed)
-            if (self.paths.prefill.kernel == "torch" and reorders_prefill_copy(config, self.prefill_dtype, self.device)
+            if (reorders_prefill_copy(config, self.prefill_dtype, self.paths.prefill.kernel, self.device)
                     and self.prefill_dtype not in (self.decode_dtype, self.batched_decode_dtype)):
                 reorder_copies(model, self.prefill_dtype)
         synchronize(self.device)

@@ -357,11 +357,12 @@ def estimate_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.dev
     return total * 1e3
 
 
-def reorders_prefill_copy(config: Config, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether prefill's copy in dtype is laid out once for oneDNN (kvbook.model.linear.reorder_copies): a copy (not
-    the weights themselves), on a CPU where that gives F.linear's numbers bit for bit. The engine does so when no
-    other phase computes in that dtype; prefill is timed so."""
-    return device.type == "cpu" and dtype != TORCH_DTYPES[config.inference.dtype] and reorder_keeps_numbers(dtype)
+def reorders_prefill_copy(config: Config, dtype: torch.dtype, kernel: str, device: torch.device) -> bool:
+    """Whether a prefill that multiplies through F.linear (kernel "torch") in dtype has its copy laid out once for
+    oneDNN (kvbook.model.linear.reorder_copies): a copy (not the weights themselves), on a CPU where that gives
+    F.linear's numbers bit for bit. Prefill is timed so; the engine does so when no other phase computes in dtype."""
+    return (kernel == "torch" and device.type == "cpu" and dtype != TORCH_DTYPES[config.inference.dtype]
+            and reorder_keeps_numbers(dtype))
 
 
 def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: torch.device,
@@ -371,7 +372,7 @@ def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: t
     rows: the products are limited by arithmetic, whose rate hardly depends on the matrix's size). best_ms: the
     best estimate so far; a dtype whose first product already takes 3 times as long is not timed again. F.linear's
     copy is timed reordered where the engine will reorder it (reorders_prefill_copy)."""
-    if kernel == "torch" and reorders_prefill_copy(config, dtype, device):
+    if reorders_prefill_copy(config, dtype, kernel, device):
         kernel = REORDERED
     m = config.model
     params = sum(params for _, params in matrix_groups(config, lm_head=False))
@@ -398,7 +399,7 @@ def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device,
 
 def matrix_shapes(config: Config) -> list[tuple[int, int]]:
     """Every distinct (out, in) shape of the weight matrices a decode step multiplies by, lm_head's included, with
-    at most TIMED_ROWS_MAX output rows (a kernel's choice of blocking follows the output count up to well below it)."""
+    at most TIMED_ROWS_MAX output rows (the kernels measured so far change their rounding between 256 and 4096)."""
     m = config.model
     q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     shapes = [(q, m.hidden_size), (kv, m.hidden_size), (m.hidden_size, q), (m.intermediate_size, m.hidden_size),
