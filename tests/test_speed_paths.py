@@ -20,6 +20,7 @@ from kvbook.model.linear import (
     packed_linear,
     packed_products,
     split_long_inputs,
+    use_matvec,
     use_onednn,
     weight_bytes_kept,
 )
@@ -61,15 +62,19 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache, monkeypatc
         fbgemm = {"fbgemm-float16"} if phase == "batched_decode" and fbgemm_available(CPU) else set()
         # prefill may multiply its float32 copy through oneDNN's inner product (a CPU build of torch has it)
         onednn = {"onednn-float32"} if phase == "prefill" and onednn_available(CPU) else set()
-        assert set(path.estimated_ms) == {"float16", "bfloat16", "float32"} | fbgemm | onednn
+        # a lone row may go through torch.mv instead of F.linear, in any dtype
+        matvec = {"matvec-float16", "matvec-bfloat16", "matvec-float32"} if phase == "decode" else set()
+        assert set(path.estimated_ms) == {"float16", "bfloat16", "float32"} | fbgemm | onednn | matvec
         assert (path.kernel == "fbgemm") == (path.label == "fbgemm-float16")
         assert (path.kernel == "onednn") == (path.label == "onednn-float32")
-        assert path.kernel == "torch" or path.dtype == torch.float32
+        assert (path.kernel == "matvec") == path.label.startswith("matvec-")
+        assert path.kernel in ("torch", "matvec") or path.dtype == torch.float32
         fastest = min(path.estimated_ms, key=path.estimated_ms.get)
         chosen = path.label
-        # the fastest, or the weights' own dtype when it is within the margin (no copy)
-        assert chosen == fastest or (chosen == "float16" and "needs no copy" in path.reason
-                                     and path.estimated_ms["float16"] <= 1.1 * path.estimated_ms[fastest])
+        # the fastest, or the fastest in the weights' own dtype when it is within the margin (no copy)
+        own = min(("float16", "matvec-float16") if phase == "decode" else ("float16",), key=path.estimated_ms.get)
+        assert chosen == fastest or (chosen == own and "needs no copy" in path.reason
+                                     and path.estimated_ms[own] <= 1.1 * path.estimated_ms[fastest])
         assert path.reason.startswith("measured")
     files = list(paths_cache_dir().iterdir())
     assert len(files) == 1 and json.loads(files[0].read_text())["machine"] == cpu_identity()
@@ -397,6 +402,50 @@ def test_a_layer_marked_for_onednn_multiplies_several_float32_rows_through_it():
     with batch_invariant_rows(4):
         assert torch.equal(layer(x[0, :4]), torch.nn.functional.linear(x[0, :4], copy))
     assert torch.equal(layer(x.half()), torch.nn.functional.linear(x.half(), layer.weight))  # other dtypes too
+
+
+def test_a_layer_marked_for_matvec_multiplies_a_lone_row_through_torch_mv(monkeypatch):
+    layer = Linear(4096, 512, dtype=torch.float16)
+    layer.weight.data = (torch.randn(512, 4096) * 0.02).half()
+    copy = layer.weight.bfloat16()
+    layer.copies[torch.bfloat16] = copy
+    row, rows = torch.randn(1, 1, 4096).bfloat16(), torch.randn(1, 6, 4096).bfloat16()  # [batch, rows, in]
+    assert torch.equal(layer(row), torch.nn.functional.linear(row[0], copy)[None])  # not marked: F.linear
+    use_matvec(torch.nn.Sequential(layer), True)
+    calls = []
+    real = torch.mv
+    monkeypatch.setattr("kvbook.model.linear.torch.mv", lambda w, v: calls.append(w) or real(w, v))
+    out = layer(row)
+    assert out.shape == (1, 1, 512) and calls == [copy]  # the copy in the row's dtype, read whole
+    assert torch.equal(out[0, 0], real(copy, row[0, 0]))  # exactly torch.mv's product
+    exact = torch.nn.functional.linear(row[0].double(), copy.double())
+    assert (out[0].double() - exact).abs().max() < 0.02 * exact.abs().max()  # the same product, rounded to bfloat16
+    # several rows, and a batched step's rows (padded for batch invariance) keep their own kernels
+    assert torch.equal(layer(rows), torch.nn.functional.linear(rows[0], copy)[None])
+    with batch_invariant_rows(2):
+        assert torch.equal(layer(row[0]), torch.nn.functional.linear(torch.cat([row[0], 0 * row[0]]), copy)[:1])
+    assert len(calls) == 1
+    use_matvec(torch.nn.Sequential(layer), False)
+    assert torch.equal(layer(row), torch.nn.functional.linear(row[0], copy)[None]) and len(calls) == 1
+
+
+def test_an_engine_whose_decode_measured_matvec_fastest_sends_every_lone_row_through_it(weight_cache, monkeypatch):
+    cfg = small_config(dtype="float16", max_positions=64)
+    matvec = Engine(cfg, progress=False, paths=fixed_paths(torch.float32, torch.bfloat16, torch.bfloat16,
+                                                           decode_kernel="matvec"))
+    assert matvec.paths.decode.label == "matvec-bfloat16" and "decode: matvec-bfloat16" in matvec.paths.describe()[1]
+    assert {m.lone_row_matvec for m in matvec.model.modules() if isinstance(m, Linear)} == {True}
+    plain = Engine(cfg, progress=False, paths=fixed_paths(torch.float32, torch.bfloat16, torch.bfloat16))
+    assert {m.lone_row_matvec for m in plain.model.modules() if isinstance(m, Linear)} == {False}
+    shapes = []
+    real = torch.mv
+    monkeypatch.setattr("kvbook.model.linear.torch.mv", lambda w, v: shapes.append(tuple(w.shape)) or real(w, v))
+    run = matvec.generate(PROMPT, 3, ignore_eos=True)
+    m = cfg.model
+    # prefill's last position through lm_head, then every matrix of each of the 2 decode steps, lm_head included
+    per_step = m.num_hidden_layers * 7 + 1
+    assert shapes[0] == (m.vocab_size, m.hidden_size) and len(shapes) == 1 + 2 * per_step
+    assert run.output_ids == plain.generate(PROMPT, 3, ignore_eos=True).output_ids  # small model: clear margins
 
 
 @needs_onednn

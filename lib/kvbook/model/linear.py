@@ -11,7 +11,9 @@ The input always reaches F.linear as a 2-D [rows, in] matrix: some CPUs' F.linea
 lm_head's [1, 1, in] into a batched matrix product that copies the whole transposed weight first.
 
 A lone row may read a wide matrix (down_proj's 11008 inputs) faster as contiguous column blocks of at most
-SPLIT_WIDTH inputs, on some CPUs; kvbook.runtime.paths measures whether (`split_input`).
+SPLIT_WIDTH inputs, on some CPUs; kvbook.runtime.paths measures whether (`split_input`). Or every matrix faster
+through torch's matrix-vector kernel (torch.mv) than through F.linear's matrix product of one row (`matvec`: on an
+Intel Xeon with AMX, bfloat16 weights stream ~20% faster so); kvbook.runtime.paths measures that too.
 
 A batched decode step may instead multiply float32 rows by the float16 weight packed for FBGEMM (`pack`), the x86
 library behind torch's quantized CPU operators: its float16 kernel converts the weight to float32 in registers,
@@ -58,6 +60,7 @@ ONEDNN = "onednn"  # the kernel name of a prefill that multiplies its float32 co
 ONEDNN_LABEL = "onednn-float32"
 REORDERED = "reordered"  # the kernel name kvbook.runtime.paths times a reordered prefill copy with
 REORDER_ROWS = 256  # oneDNN lays a reordered weight out for products of about this many rows (a prompt's)
+MATVEC = "matvec"  # the kernel name of a lone decode row multiplied by torch.mv instead of F.linear
 
 _state = threading.local()  # how this thread's products run now: `multiple` (padding) and `packed` (FBGEMM)
 
@@ -99,6 +102,7 @@ class Linear(nn.Linear):
         self.row_dtype: torch.dtype | None = None
         self.packed: list | None = None  # the weight packed for FBGEMM, in row blocks: a batched step's (`pack`)
         self.onednn_dtype: torch.dtype | None = None  # products of several rows in this dtype go through oneDNN
+        self.lone_row_matvec = False  # a lone row (outside a batched step) goes through torch.mv (`use_matvec`)
 
     def reset_parameters(self) -> None:
         """No random init: weights always come from kvbook.model.weights (drawn from the config's seed or loaded)."""
@@ -136,6 +140,8 @@ class Linear(nn.Linear):
             weight = self.weight
         if multiple is not None:
             out = padded_rows(x, multiple, partial(product, weight=weight))
+        elif rows == 1 and self.lone_row_matvec and not weight.is_mkldnn:
+            out = matvec(x, weight)
         elif rows == 1 and weight.dtype in self.blocks:
             blocks = self.blocks[weight.dtype]
             parts = x.split(blocks[0].shape[1], dim=-1)
@@ -158,6 +164,18 @@ def several_rows_product(x: torch.Tensor, weight: torch.Tensor, onednn_dtype: to
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times weight [out, in]: F.linear, or oneDNN's product where the weight is laid out for it."""
     return onednn_linear(x, weight) if weight.is_mkldnn else F.linear(x, weight)
+
+
+def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, in] times weight [out, in] -> [1, out] through torch's matrix-vector kernel (torch.mv)."""
+    return torch.mv(weight, x[0])[None]
+
+
+def use_matvec(model: nn.Module, enabled: bool) -> None:
+    """Every lone row outside a batched step goes through torch.mv from now on (the engine whose decode path
+    measured it fastest sets it, for every caller of the model, as use_onednn does for prefill)."""
+    for module in linears(model):
+        module.lone_row_matvec = enabled
 
 
 def reorder_for_onednn(weight: torch.Tensor) -> torch.Tensor:
@@ -260,14 +278,16 @@ def packed_linear(x: torch.Tensor, packed: list) -> torch.Tensor:
 
 def product_for(weight: torch.Tensor, kernel: str = "torch"):
     """x [rows, in] -> x times weight [out, in]: F.linear, with kernel FBGEMM the weight packed once and x float32,
-    with kernel ONEDNN oneDNN's inner product, with kernel REORDERED the same on the weight reordered once
-    (kvbook.runtime.paths times and checks each candidate through this)."""
+    with kernel ONEDNN oneDNN's inner product, with kernel REORDERED the same on the weight reordered once, with
+    kernel MATVEC torch.mv for one row (kvbook.runtime.paths times and checks each candidate through this)."""
     if kernel == FBGEMM:
         return partial(packed_linear, packed=pack_float16(weight))
     if kernel == ONEDNN:
         return partial(onednn_linear, weight=weight)
     if kernel == REORDERED:
         return partial(onednn_linear, weight=reorder_for_onednn(weight))
+    if kernel == MATVEC:
+        return partial(matvec, weight=weight)
     return partial(F.linear, weight=weight)
 
 

@@ -18,10 +18,11 @@ from ..cache import kv_quant
 from ..cache.contiguous import CacheFullError, KVCache
 from ..cache.paged import BlockPool, PagedKVCache
 from ..config import Config
-from ..device import TORCH_DTYPES, enable_huge_pages, resolve_device, synchronize
+from ..device import TORCH_DTYPES, enable_huge_pages, keep_freed_memory, resolve_device, synchronize
 from ..model import quant
 from ..model.linear import (
     FBGEMM,
+    MATVEC,
     ONEDNN,
     add_copies,
     batch_invariant_rows,
@@ -29,6 +30,7 @@ from ..model.linear import (
     packed_products,
     reorder_copies,
     split_long_inputs,
+    use_matvec,
     use_onednn,
     weight_bytes_kept,
 )
@@ -57,6 +59,7 @@ class Engine:
                  paths: ComputePaths | None = None):
         """paths: the arithmetic dtype of each phase; by default measured once per machine (kvbook.runtime.paths)."""
         enable_huge_pages()  # before the weights are allocated; no effect if this process allocated tensors already
+        keep_freed_memory()  # a prefill's activations reuse freed memory instead of faulting in new pages
         self.device = resolve_device(config.inference.device)
         self.dtype = TORCH_DTYPES[config.inference.dtype]
         started = time.perf_counter()
@@ -91,6 +94,7 @@ class Engine:
             # every caller's product of several prefill rows follows this engine's kernel, not only ours; a model
             # shared with an earlier engine takes this one's choice, as it takes its copies and lm_head's row dtype
             use_onednn(model, self.prefill_dtype if self.paths.prefill.kernel == ONEDNN else None)
+            use_matvec(model, self.paths.decode.kernel == MATVEC)
             # prefill's copy laid out once for oneDNN where that changes no number, unless a lone or batched step
             # multiplies by it too (kvbook.model.linear: what was measured for those phases is F.linear's speed)
             if (reorders_prefill_copy(config, self.prefill_dtype, self.paths.prefill.kernel, self.device)

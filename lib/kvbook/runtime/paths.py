@@ -27,6 +27,11 @@ Where prefill's copy is bfloat16 and F.linear in it is oneDNN's product (a CPU w
 out once in oneDNN's blocked format instead of on every call (kvbook.model.linear.reorder_copies): the same numbers,
 sooner, so it is timed so and is not a separate candidate (reorders_prefill_copy).
 
+A lone decode step has one more candidate: each dtype's weights multiplied by torch's matrix-vector kernel (torch.mv,
+"matvec-<dtype>") instead of F.linear's matrix product of one row. On an Intel Xeon with AMX, F.linear's bfloat16 row
+goes through oneDNN's matrix product, which streams the weights ~20% slower than torch.mv does; elsewhere they tie or
+F.linear wins. Prefill's last position through lm_head is a lone row too, and follows the decode step's choice.
+
 Not a candidate: a lone row through a loop torch.compile (Inductor) writes. It made a decode step 10-25 ms faster
 than F.linear on an AVX2 CPU, but every process paid ~5 s to import the compiler and load its code, more than the
 128 steps of a generation save (BENCHMARKS.md, "Thirteenth session").
@@ -55,6 +60,7 @@ from ..device import TORCH_DTYPES, synchronize
 from ..model.linear import (
     FBGEMM,
     FBGEMM_LABEL,
+    MATVEC,
     ONEDNN,
     ONEDNN_LABEL,
     REORDERED,
@@ -69,7 +75,7 @@ from ..model.quant import INT8
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 9  # bump when what is measured changes, so old choices are measured again
+PATHS_VERSION = 10  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
 MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
@@ -88,6 +94,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def matvec_label(dtype: torch.dtype) -> str:
+    return f"{MATVEC}-{dtype_name(dtype)}"
+
+
 def candidates(weight_dtype: torch.dtype) -> list[torch.dtype]:
     """Arithmetic dtypes that hold the weights' values well enough: the weights' own, float32 (exact), and for
     float16 weights bfloat16 (8 bits of mantissa instead of 11)."""
@@ -102,9 +112,9 @@ def candidates(weight_dtype: torch.dtype) -> list[torch.dtype]:
 class PhasePath:
     """One phase's arithmetic: its dtype (the activations'), its kernel ("torch": F.linear on the weights or their
     copy in dtype; "fbgemm": float32 rows times the float16 weights packed for FBGEMM; "onednn": F.linear replaced by
-    oneDNN's inner product for several rows (prefill's float32 copy); "int8": the int8 matrices of
-    kvbook.model.quant, dtype being that of the rest of the step), why, and the estimate per candidate that decided
-    it."""
+    oneDNN's inner product for several rows (prefill's float32 copy); "matvec": a lone row through torch.mv on the
+    weights or their copy in dtype; "int8": the int8 matrices of kvbook.model.quant, dtype being that of the rest of
+    the step), why, and the estimate per candidate that decided it."""
 
     dtype: torch.dtype
     reason: str
@@ -114,8 +124,10 @@ class PhasePath:
     @property
     def label(self) -> str:
         """'float16', 'bfloat16', 'float32', 'fbgemm-float16' (float32 rows, float16 weights packed for FBGEMM),
-        'onednn-float32' (the float32 copy through oneDNN's inner product) or 'int8' (int8 weights,
-        kvbook.model.quant)."""
+        'onednn-float32' (the float32 copy through oneDNN's inner product), 'matvec-bfloat16' (one row through
+        torch.mv; any dtype) or 'int8' (int8 weights, kvbook.model.quant)."""
+        if self.kernel == MATVEC:
+            return matvec_label(self.dtype)
         return {FBGEMM: FBGEMM_LABEL, ONEDNN: ONEDNN_LABEL, INT8: INT8}.get(self.kernel, dtype_name(self.dtype))
 
     def to_json(self) -> dict:
@@ -169,10 +181,11 @@ class ComputePaths:
 
 def fixed_paths(prefill: torch.dtype, decode: torch.dtype, batched: torch.dtype, reason: str = "fixed",
                 batch_row_multiple: int = 1, batched_kernel: str = "torch",
-                prefill_kernel: str = "torch") -> ComputePaths:
+                prefill_kernel: str = "torch", decode_kernel: str = "torch") -> ComputePaths:
     """Paths chosen by the caller (tests, or a machine where nothing needs measuring); batched_kernel FBGEMM and
-    prefill_kernel ONEDNN need float32 for their phase."""
-    return ComputePaths(PhasePath(prefill, reason, kernel=prefill_kernel), PhasePath(decode, reason),
+    prefill_kernel ONEDNN need float32 for their phase; decode_kernel MATVEC runs in any."""
+    return ComputePaths(PhasePath(prefill, reason, kernel=prefill_kernel),
+                        PhasePath(decode, reason, kernel=decode_kernel),
                         PhasePath(batched, reason, kernel=batched_kernel), "fixed",
                         batch_row_multiple=batch_row_multiple, batch_row_reason=reason)
 
@@ -455,6 +468,8 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
     prefill_kernels = dict(kernels)
     if onednn_available(device):  # float32 is a candidate for every weight dtype the config allows
         prefill_kernels[ONEDNN_LABEL] = (torch.float32, ONEDNN)
+    decode_kernels = dict(kernels)
+    decode_kernels.update({matvec_label(d): (d, MATVEC) for d in candidates(weight_dtype)})
     prefill_rows = min(config.inference.input_len, PREFILL_ROWS_MAX)
     batch_rows = _batch_rows(config)
     timing = TimingWeights(device)
@@ -462,13 +477,13 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
         "prefill": (f"{prefill_rows} prompt rows through the layers", prefill_kernels,
                     lambda dtype, kernel, best: estimate_prefill_ms(config, prefill_rows, dtype, device, best,
                                                                     weights=timing, kernel=kernel)),
-        "decode": ("one row through the layers and lm_head", kernels,
-                   lambda dtype, kernel, best: estimate_ms(config, 1, dtype, device, lm_head=True, weights=timing)),
+        "decode": ("one row through the layers and lm_head", decode_kernels,
+                   lambda dtype, kernel, best: estimate_ms(config, 1, dtype, device, lm_head=True, kernel=kernel,
+                                                           weights=timing)),
         "batched_decode": (f"{batch_rows} rows through the layers and lm_head", batched_kernels,
                            lambda dtype, kernel, best: estimate_ms(config, batch_rows, dtype, device, lm_head=True,
                                                                    kernel=kernel, weights=timing)),
     }
-    weights = dtype_name(weight_dtype)
     chosen = {}
     for phase, (what, options, estimate) in phases.items():
         estimates: dict[str, float] = {}
@@ -477,15 +492,18 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
                 best_so_far = min(estimates.values(), default=float("inf"))
                 estimates[label] = min(estimates.get(label, float("inf")), estimate(dtype, kernel, best_so_far))
         best = min(estimates, key=estimates.get)
+        # the fastest candidate that computes in the weights' own dtype (F.linear, or torch.mv for a lone row)
+        own = min((label for label, (dtype, _) in options.items() if dtype == weight_dtype), key=estimates.get)
         note = ""
-        if best != weights and estimates[weights] <= (1 + COPY_MARGIN) * estimates[best]:
-            best, note = weights, f"; the weights' own dtype, within {COPY_MARGIN:.0%} of the fastest, needs no copy"
+        if options[best][0] != weight_dtype and estimates[own] <= (1 + COPY_MARGIN) * estimates[best]:
+            best, note = own, f"; the weights' own dtype, within {COPY_MARGIN:.0%} of the fastest, needs no copy"
         dtype, kernel = options[best]
         chosen[phase] = PhasePath(dtype, f"measured, {what}: {_summary(estimates)}{note}",
                                   {k: round(v, 3) for k, v in estimates.items()}, kernel)
-    wide = time_wide_rows(config, chosen["decode"].dtype, device, timing)
     split, split_reason = False, "no matrix is wider than the split width"
-    if wide is not None:
+    if chosen["decode"].kernel == MATVEC:
+        split_reason = "a lone row goes through torch.mv, which reads each matrix whole"
+    elif (wide := time_wide_rows(config, chosen["decode"].dtype, device, timing)) is not None:
         split = wide[1] < wide[0]
         split_reason = f"measured, one row through down_proj: as blocks {wide[1]:.2f} ms, whole {wide[0]:.2f} ms"
     batched = chosen["batched_decode"]
