@@ -2,6 +2,7 @@
 must belong to the call that asked (in a notebook: the cell that created the Engine), not to whatever runs when
 the background write finishes."""
 
+import io
 import logging
 import threading
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from kvbook.model.weights import load_random_weights, random_weights_path, saves_held, wait_for_saves
 from kvbook.runtime.engine import Engine
+from safetensors.torch import save_file
 
 from .conftest import small_config
 
@@ -67,3 +69,25 @@ def test_writes_asked_for_while_an_engine_builds_start_once_the_model_is_whole(w
         Engine(small_config(layers=1).replace(inference={"weight_dtype": "int8"}), progress=False)
     wait_for_saves()
     assert random_weights_path(small_config(layers=1).model, torch.float32).exists()
+
+
+def test_a_sparsely_read_tensor_is_read_whole_once_from_its_own_bytes(tmp_path, monkeypatch):
+    # the embedding's rows are read one per decode step; read_into_page_cache reads its bytes of the file in blocks
+    from kvbook.model import weights
+
+    tensors = {"before": torch.arange(1000, dtype=torch.float16), "table": torch.randn(300, 7),
+               "after": torch.ones(5, dtype=torch.int8)}
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    read = []
+
+    class Spy(io.FileIO):
+        def readinto(self, buffer):
+            count = super().readinto(buffer)
+            read.append(bytes(buffer[:count]))
+            return count
+
+    monkeypatch.setattr(weights, "open", lambda p, mode, buffering: Spy(p, "r"), raising=False)
+    monkeypatch.setattr(weights, "READ_BLOCK", 1000)  # several blocks for the table's 8400 bytes
+    weights.read_into_page_cache(path, ("table",))
+    assert len(read) == 9 and b"".join(read) == tensors["table"].numpy().tobytes()
