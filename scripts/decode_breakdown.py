@@ -4,8 +4,9 @@
 
 For the full model (config.toml plus any --set), in one process: the plain read (kvbook.runtime.paths), the
 engine's decode step after a 256-token prefill (median and best of 12), and the sum of its products alone, each
-matrix with one row in the decode path's dtype (float16 weights: `F.linear` on the engine's copy; int8 weights:
-`_weight_int8pack_mm`), the best of 5. Then the products' share of a step is what is left to gain outside them.
+matrix with one row in the decode path's dtype (float16 weights: `F.linear` or `torch.mv`, as the decode path
+chose, on the engine's copy; int8 weights: `_weight_int8pack_mm`), the best of 5. Then the products' share of a
+step is what is left to gain outside them.
 BENCHMARKS.md records its figures with the CPU model ("Where a decode step's time goes").
 """
 
@@ -17,7 +18,7 @@ import time
 
 import torch
 from kvbook.config import load_config
-from kvbook.model.linear import linears
+from kvbook.model.linear import linears, matvec
 from kvbook.model.quant import Int8Linear, int8_matmul
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.paths import best_seconds, cpu_model, read_bandwidth_gbps
@@ -50,7 +51,8 @@ def products_ms(engine: Engine) -> tuple[float, int]:
     for module in linears(engine.model):
         weight = module.weight_in(engine.decode_dtype)
         x = torch.randn(1, module.in_features).to(weight.dtype)  # [1, in]
-        total_ms += best_seconds(lambda w=weight, x=x: F.linear(x, w), engine.device) * 1e3
+        product = matvec if module.lone_row_matvec else F.linear  # the decode path's kernel (kvbook.runtime.paths)
+        total_ms += best_seconds(lambda w=weight, x=x, p=product: p(x, w), engine.device) * 1e3
         total_bytes += weight.nbytes
     return total_ms, total_bytes
 
