@@ -26,7 +26,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
@@ -37,7 +36,10 @@ INT8_MAX = 127
 INT8 = "int8"  # the kernel name kvbook.runtime.paths gives a decode phase that reads these int8 matrices
 # a decode step of up to this many sequences reads the int8 weights; more rows (prefill) use the floating path
 DECODE_ROWS = 16
-KERNEL_ALIGNMENT = 64  # bytes: where the int8 kernel's matrix must start (aligned_for_kernel)
+# bytes: where the int8 kernel's matrix must start. It crashed (a segmentation fault, not an error) for 2 to 16 rows on
+# a matrix mapped from a safetensors file, which starts wherever the file's header ends (AMD EPYC Zen 5); the cached
+# matrices are read into torch's own allocations, which are aligned (kvbook.model.weights.read_tensors)
+KERNEL_ALIGNMENT = 64
 # weights quantized at a time: the float32 temporaries of a chunk (4 MiB) stay in a CPU's cache between the
 # passes over it (BENCHMARKS.md, "Eighth session")
 QUANTIZE_CHUNK_WEIGHTS = 2**20
@@ -139,14 +141,15 @@ def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, d
     gets its own int8 copy: the embedding stays floating for the lookup. drawn_from: the ModelConfig of random
     weights (kvbook.model.weights): their int8 matrices are read from the weight cache, or quantized and then written
     there in the background, as the weights themselves are."""
-    from .weights import _save_in_background
+    from .weights import _save_in_background, read_tensors
 
     act_dtype = activation_dtype(device, dtype)
     check_int8_kernel(device, act_dtype)
     path = int8_cache_path(drawn_from, dtype, act_dtype) if drawn_from is not None else None
-    cached = load_file(str(path), device=str(device)) if path is not None and path.exists() else None
-    if cached is not None:
-        cached = {name: aligned_for_kernel(tensor) for name, tensor in cached.items()}
+    # read in, not mapped: every decode step streams these matrices whole (kvbook.model.weights.read_tensors)
+    cached = None
+    if path is not None and path.exists():
+        cached = {name: tensor.to(device) for name, tensor in read_tensors(path).items()}
     computed = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
@@ -161,14 +164,6 @@ def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, d
     if path is not None and cached is None and computed:
         _save_in_background({name: t.cpu() for name, t in computed.items()}, path, progress=False)
     return quantized_weight_bytes(model)
-
-
-def aligned_for_kernel(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself, or an aligned copy where it does not start on a KERNEL_ALIGNMENT-byte boundary. A matrix
-    mapped from a safetensors file starts wherever the file's header ends (a multiple of 8 bytes), and torch's int8
-    kernel crashed (a segmentation fault, not an error) on a misaligned one for 2 to 16 rows (AMD EPYC Zen 5; one
-    row ran). torch's own allocations are aligned, so a copy is; the article's model's file happens to be."""
-    return tensor if tensor.data_ptr() % KERNEL_ALIGNMENT == 0 else tensor.clone()
 
 
 def quantized_weight_bytes(model: nn.Module) -> int:

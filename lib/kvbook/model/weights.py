@@ -32,6 +32,8 @@ INIT_VERSION = 1  # bump when the drawing below changes, so old cache files are 
 READ_BLOCK = 16 * 2**20  # bytes per read when a file's tensors are read into the OS's page cache
 # read a row at a time by every decode step (one new token's row), so read into memory whole when loaded
 SPARSELY_READ = ("model.embed_tokens.weight",)
+# the dtypes kvbook writes to its cache files, by their safetensors names
+SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8}
 
 
 class CheckpointError(ValueError):
@@ -230,8 +232,10 @@ def random_weights_path(cfg: ModelConfig, dtype: torch.dtype) -> Path:
 
 
 def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, prefill_dtype: torch.dtype | None = None,
-                        progress: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """The weights and, if prefill_dtype is given, their prefill copy: mmaps of the cached files. The first
+                        progress: bool = True, decode_reads_prefill_copy: bool = False,
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """The weights and, if prefill_dtype is given, their prefill copy: mmaps of the cached files, except a prefill
+    copy that decode steps multiply by too (decode_reads_prefill_copy), which is read in (read_tensors). The first
     time, drawn (and converted) in memory, then written to the cache in the background."""
     path = random_weights_path(cfg, dtype)
     prefill_path = None
@@ -244,7 +248,10 @@ def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, prefill_dtype: tor
         weights = random_weights(cfg, dtype, progress)
     prefill = None
     if prefill_path is not None:
-        prefill = load_file(str(prefill_path)) if prefill_path.exists() else prefill_copies(cfg, weights, prefill_dtype)
+        if not prefill_path.exists():
+            prefill = prefill_copies(cfg, weights, prefill_dtype)
+        else:
+            prefill = read_tensors(prefill_path) if decode_reads_prefill_copy else load_file(str(prefill_path))
     # written only once everything is in memory, so the writes do not slow the drawing down (an Engine holds them
     # longer, until its whole model is built: saves_held)
     if not path.exists():
@@ -258,23 +265,60 @@ def read_into_page_cache(path: Path, names: tuple[str, ...]) -> None:
     """Read these tensors' bytes of a safetensors file once, in large blocks, so that the OS holds them in its page
     cache and the file's mmap finds them there.
 
-    An mmap reads a page from the disk when it is first touched. The layers' matrices are read whole by the first
-    prefill; the embedding table is read a row per new token, so each decode step of a table not yet in the page
-    cache (after a reboot, or once other files pushed it out) waited for a small disk read: 8.2-9.5 ms per lookup
-    of a new token, against 0.01 ms from memory (Intel Xeon with AMX, BENCHMARKS.md). Asking the OS to read ahead
-    (madvise or posix_fadvise WILLNEED) read nothing there; one pass of large reads does, at the disk's speed."""
+    An mmap reads a page from the disk when it is first touched. The embedding table is read a row per new token, so
+    each decode step of a table not yet in the page cache (after a reboot, or once other files pushed it out) waited
+    for a small disk read: 8.2-9.5 ms per lookup of a new token, against 0.01 ms from memory (Intel Xeon with AMX,
+    BENCHMARKS.md). Asking the OS to read ahead (madvise or posix_fadvise WILLNEED) read nothing there; one pass of
+    large reads does, at the disk's speed."""
     with open(path, "rb", buffering=0) as file:
-        header_bytes = int.from_bytes(file.read(8), "little")  # safetensors: an 8-byte length, a JSON header, data
-        header = json.loads(file.read(header_bytes))
-        block = memoryview(bytearray(READ_BLOCK))
+        data_start, header = _safetensors_header(file)
         for name in names:
-            start, end = (8 + header_bytes + offset for offset in header[name]["data_offsets"])
-            file.seek(start)
-            while start < end:
-                read = file.readinto(block[:min(READ_BLOCK, end - start)])
-                if not read:
-                    break  # a file shorter than its header says: load_file reports it
-                start += read
+            start, end = header[name]["data_offsets"]
+            _read_span(file, data_start + start, data_start + end)
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, read into this process's own memory rather than mapped from the file.
+
+    For the matrices a decode step streams whole, every step. On an Intel Xeon with AMX (a VM) a decode step took
+    107.3-108.4 ms on the layers' bfloat16 copies mapped from the file, 98.5-99.6 ms on the same values in the
+    process's memory, in 4 KiB pages or huge ones; the int8 step 70.8-72.4 ms mapped, 65.1 in 4 KiB pages and 59.0
+    in the huge pages torch allocates (kvbook.device.enable_huge_pages; BENCHMARKS.md). The price is a pass over the
+    file when the model is loaded: 0.36 s per 1.2 GB there, 2.3-2.5 s for a fresh process's first, whose huge pages
+    the OS must assemble. No memory beyond the mapped pages it replaces; and torch's allocations are aligned as its
+    int8 kernel needs (kvbook.model.quant)."""
+    tensors = {}
+    with open(path, "rb", buffering=0) as file:
+        data_start, header = _safetensors_header(file)
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+            start, end = entry["data_offsets"]
+            raw = memoryview(tensor.view(-1).view(torch.uint8).numpy())  # the tensor's bytes, written in place
+            _read_span(file, data_start + start, data_start + end, raw)
+            tensors[name] = tensor
+    return tensors
+
+
+def _safetensors_header(file) -> tuple[int, dict]:
+    """(where the data starts, the JSON header) of a safetensors file: an 8-byte length, the header, the data."""
+    length = int.from_bytes(file.read(8), "little")
+    return 8 + length, json.loads(file.read(length))
+
+
+def _read_span(file, start: int, end: int, into: memoryview | None = None) -> None:
+    """Bytes start..end of the file, read in blocks of at most READ_BLOCK into `into` (end - start bytes long), or
+    into a scratch block and dropped."""
+    scratch = memoryview(bytearray(min(READ_BLOCK, end - start))) if into is None else None
+    file.seek(start)
+    done = 0
+    while done < end - start:
+        size = min(READ_BLOCK, end - start - done)
+        read = file.readinto(scratch[:size] if into is None else into[done:done + size])
+        if not read:
+            raise OSError(f"{file.name}: shorter than its header says; delete it and kvbook writes it again")
+        done += read
 
 
 # ---- a local Hugging Face Qwen3 checkpoint ---------------------------------------------------------------

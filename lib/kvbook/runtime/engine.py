@@ -74,8 +74,12 @@ class Engine:
         drawn = model is None  # random weights, from the weight cache (kvbook.model.weights)
         with saves_held():  # the weight cache is written once the model is whole, int8 matrices too
             if model is None:
+                # a copy that decode steps stream too is read into memory, not mapped (kvbook.model.weights)
+                decode_reads_copy = (config.inference.weight_dtype != "int8"
+                                     and self.prefill_dtype in (self.decode_dtype, self.batched_decode_dtype))
                 weights, prefill = load_random_weights(config.model, self.dtype,
-                                                       self.prefill_dtype if separate_prefill else None, progress)
+                                                       self.prefill_dtype if separate_prefill else None, progress,
+                                                       decode_reads_copy)
                 model = build_model(config.model, weights, self.device)
                 if separate_prefill:
                     attach_prefill_weights(model, prefill)
