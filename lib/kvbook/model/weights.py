@@ -2,7 +2,9 @@
 
 No real Qwen3 weights can be downloaded where this book is built, so by default every tensor is drawn from
 a generator seeded by ([model].seed, tensor name), directly in the target dtype. The first build writes
-them to $XDG_CACHE_HOME/kvbook/weights (default ~/.cache); every later load is an mmap of that file.
+them to $XDG_CACHE_HOME/kvbook/weights (default ~/.cache); every later load maps that file (an mmap: nothing is
+read until it is used), except the embedding table, read into the OS's page cache at once (read_into_page_cache),
+and the matrices every decode step streams whole, read into the process's memory (read_tensors).
 Explained in chapter 1 ("The pipeline").
 """
 
