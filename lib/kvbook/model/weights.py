@@ -31,8 +31,8 @@ from .qwen3 import Qwen3ForCausalLM
 
 INIT_STD = 0.02  # transformers' initializer_range for Qwen3
 INIT_VERSION = 1  # bump when the drawing below changes, so old cache files are not reused
-READ_BLOCK = 16 * 2**20  # bytes per read when a file's tensors are read into the OS's page cache
-# read a row at a time by every decode step (one new token's row), so read into memory whole when loaded
+READ_BLOCK = 16 * 2**20  # bytes per read of a cache file's tensors (read_into_page_cache, read_tensors)
+# read a row at a time by every decode step (one new token's row), so read into the page cache whole when loaded
 SPARSELY_READ = ("model.embed_tokens.weight",)
 # the dtypes kvbook writes to its cache files, by their safetensors names
 SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8}

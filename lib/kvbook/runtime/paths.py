@@ -29,8 +29,8 @@ sooner, so it is timed so and is not a separate candidate (reorders_prefill_copy
 
 A lone decode step has one more candidate: each dtype's weights multiplied by torch's matrix-vector kernel (torch.mv,
 "matvec-<dtype>") instead of F.linear's matrix product of one row. On an Intel Xeon with AMX, F.linear's bfloat16 row
-goes through oneDNN's matrix product, which streams the weights ~20% slower than torch.mv does; elsewhere they tie or
-F.linear wins. Prefill's last position through lm_head is a lone row too, and follows the decode step's choice.
+goes through oneDNN's matrix product, which streamed the weights ~20% slower than torch.mv; other CPUs are measured as
+they come. Prefill's last position through lm_head is a lone row too, and follows the decode step's choice.
 
 Not a candidate: a lone row through a loop torch.compile (Inductor) writes. It made a decode step 10-25 ms faster
 than F.linear on an AVX2 CPU, but every process paid ~5 s to import the compiler and load its code, more than the
