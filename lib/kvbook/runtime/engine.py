@@ -72,14 +72,15 @@ class Engine:
         self.batched_ready = False  # prepare_batched_decode has run
         separate_prefill = self.prefill_dtype != self.dtype
         drawn = model is None  # random weights, from the weight cache (kvbook.model.weights)
+        # a lone or batched step computes in prefill's dtype: its copy is theirs too
+        steps_share_prefill_copy = self.prefill_dtype in (self.decode_dtype, self.batched_decode_dtype)
         with saves_held():  # the weight cache is written once the model is whole, int8 matrices too
             if model is None:
-                # a copy that decode steps stream too is read into memory, not mapped (kvbook.model.weights)
-                decode_reads_copy = (config.inference.weight_dtype != "int8"
-                                     and self.prefill_dtype in (self.decode_dtype, self.batched_decode_dtype))
-                weights, prefill = load_random_weights(config.model, self.dtype,
-                                                       self.prefill_dtype if separate_prefill else None, progress,
-                                                       decode_reads_copy)
+                # a copy that decode steps stream too (int8 steps read their own matrices) is read into memory, not
+                # mapped (kvbook.model.weights)
+                weights, prefill = load_random_weights(
+                    config.model, self.dtype, self.prefill_dtype if separate_prefill else None, progress,
+                    decode_reads_prefill_copy=steps_share_prefill_copy and config.inference.weight_dtype != "int8")
                 model = build_model(config.model, weights, self.device)
                 if separate_prefill:
                     attach_prefill_weights(model, prefill)
@@ -102,7 +103,7 @@ class Engine:
             # prefill's copy laid out once for oneDNN where that changes no number, unless a lone or batched step
             # multiplies by it too (kvbook.model.linear: what was measured for those phases is F.linear's speed)
             if (reorders_prefill_copy(config, self.prefill_dtype, self.paths.prefill.kernel, self.device)
-                    and self.prefill_dtype not in (self.decode_dtype, self.batched_decode_dtype)):
+                    and not steps_share_prefill_copy):
                 reorder_copies(model, self.prefill_dtype)
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
