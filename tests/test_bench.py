@@ -75,6 +75,11 @@ def test_prefill_flops_count_lm_head_on_one_position():
     layer = 4 * 4096 * 4096 + 3 * 4096 * 11008
     assert prefill_flops(m, 256) == 3 * (2 * 256 * layer + 4 * 32 * 256 * 256 * 128) + 2 * 4096 * 151936
     assert round(prefill_flops(m, 256) / 1e9, 1) == 315.3  # lm_head on all 256 positions would add 317 GFLOP
+    # what the engine computes: the last layer's k_proj and v_proj on 256 rows, its q_proj, o_proj, MLP and
+    # attention on one
+    last_layer = 2 * 256 * 2 * 4096 * 4096 + 2 * (2 * 4096 * 4096 + 3 * 4096 * 11008) + 4 * 32 * 256 * 128
+    assert prefill_flops(m, 256, computed=True) == (2 * (2 * 256 * layer + 4 * 32 * 256 * 256 * 128) + last_layer
+                                                    + 2 * 4096 * 151936)
 
 
 def test_ratios_against_floors_and_the_best_peer():
@@ -100,11 +105,14 @@ def test_roofline_json_on_a_tiny_model(tmp_path):
     out = json.loads(result.stdout)
     ops = [row["op"] for row in out["decode"]]
     assert ops[0] == "embedding" and ops[-1] == "lm_head" and ops.count("attention") == 1  # one layer
-    q_prefill = next(r for r in out["prefill"] if r["op"] == "q_proj")
-    q_decode = next(r for r in out["decode"] if r["op"] == "q_proj")
-    assert q_prefill["flops"] == 2 * 256 * 64 * 64 and q_decode["flops"] == 2 * 1 * 64 * 64
-    assert q_decode["bytes"] == 64 * 64 * 4 + (64 + 64) * 4  # float32 weight, one position in and out
-    assert q_prefill["intensity"] > 10 * q_decode["intensity"]
+    def op(phase, name):
+        return next(r for r in out[phase] if r["op"] == name)
+
+    # the only layer is the last: in prefill its K and V take 256 rows, its queries one (kvbook.model.qwen3)
+    assert op("prefill", "q_proj")["flops"] == op("decode", "q_proj")["flops"] == 2 * 1 * 64 * 64
+    assert op("prefill", "k_proj")["flops"] == 256 * op("decode", "k_proj")["flops"]
+    assert op("decode", "q_proj")["bytes"] == 64 * 64 * 4 + (64 + 64) * 4  # float32 weight, one position in and out
+    assert op("prefill", "k_proj")["intensity"] > 10 * op("decode", "k_proj")["intensity"]
     assert out["intensity"]["prefill"] > out["intensity"]["decode"]
     # the engine's prefill path label, not "torch.float32": float32 weights leave nothing to measure
     tiny = load_config("config.toml", TINY_SETTINGS)

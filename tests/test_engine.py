@@ -35,6 +35,23 @@ def test_cached_decode_equals_full_recompute_logits_at_every_step(engine):
     assert cache.length == 12 + 8
 
 
+def test_a_contiguous_cache_given_back_serves_the_next_sequence_from_empty(engine):
+    """release_cache keeps a contiguous cache for the next new_cache (its memory is faulted in already): the next
+    sequence starts on it empty and gets exactly the tokens a fresh cache gives."""
+    first = engine.generate(PROMPT, 6, ignore_eos=True)
+    kept = engine.spare_cache
+    assert isinstance(kept, KVCache) and kept.length == 12 + 6 - 1  # as the run left it: cleared when handed out
+    cache = engine.new_cache()
+    assert cache is kept and engine.spare_cache is None and cache.lengths() == [0, 0]
+    engine.prefill(cache, list(range(40, 60)))  # another sequence fills it
+    engine.release_cache(cache)
+    again = engine.generate(PROMPT, 6, ignore_eos=True)
+    assert again.output_ids == first.output_ids
+    other = Engine(small_config(max_cache_len=128), model=engine.model, progress=False)
+    other.spare_cache = kept  # a cache of another shape is never handed out
+    assert other.new_cache() is not kept
+
+
 def test_cache_disabled_recomputes_everything_and_gives_the_same_tokens(weight_cache):
     on = Engine(small_config(), progress=False).generate(PROMPT, 6, ignore_eos=True)
     off = Engine(small_config(enable=False), progress=False).generate(PROMPT, 6, ignore_eos=True)

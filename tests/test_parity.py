@@ -53,6 +53,31 @@ def test_logits_and_caches_match_transformers(case):
         torch.testing.assert_close(layer.values(), hf_cache.layers[i].values, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["gqa-untied", "mha-tied-wide-heads"])
+@pytest.mark.parametrize("chunks", [[12], [5, 7]])
+@torch.inference_mode()
+def test_last_layer_on_the_last_position_only(case, chunks):
+    """last_only (what prefill runs): the last layer computes its queries and MLP for the last position alone. Its
+    logits are transformers' for that position, and every cache holds exactly what the full pass writes, also when
+    the prompt comes in chunks (each chunk's own last position)."""
+    cfg = small_config(layers=3, **CASES[case])
+    hf, _ = hf_reference(cfg)
+    ours = build_model(cfg.model, hf_weights(hf), torch.device("cpu"))
+    prompt = torch.randint(0, cfg.model.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    full, trimmed = (KVCache(cfg.model, cfg.kv_cache, torch.device("cpu")) for _ in range(2))
+    start = 0
+    for n in chunks:
+        ids, positions = prompt[:, start:start + n], torch.arange(start, start + n)
+        every = ours(ids, positions, full, last_only=False)  # [1, n, vocab]
+        last = ours(ids, positions, trimmed)  # [1, 1, vocab]
+        assert last.shape == (1, 1, cfg.model.vocab_size)
+        torch.testing.assert_close(last, every[:, -1:], atol=1e-5, rtol=1e-5)
+        start += n
+    torch.testing.assert_close(last, hf(prompt).logits[:, -1:], atol=1e-5, rtol=1e-5)
+    for a, b in zip(full.layers, trimmed.layers, strict=True):
+        assert torch.equal(a.keys(), b.keys()) and torch.equal(a.values(), b.values())
+
+
 @torch.inference_mode()
 def test_inputs_embeds_match_transformers_and_input_ids():
     """The layers fed a vector directly (chapter 5's wrong decode input) as transformers' inputs_embeds are."""

@@ -138,7 +138,8 @@ def test_soak_with_clients_that_hang_up(tmp_path, monkeypatch, layout):
         assert text == tokenizer.decode([t for t in alone[prompt][:max_tokens] if t not in EOS_IDS])
     assert health["running"] == health["waiting"] == 0
     assert len(caches) >= WARM_UP + len(completed)
-    assert [ref for ref in caches if ref() is not None] == []  # every cache released
+    # every cache released: the engine keeps the last one given back for the next sequence (kvbook.runtime.engine)
+    assert {id(c) for ref in caches if (c := ref()) is not None} <= {id(engine.spare_cache)}
     if layout == "paged":
         assert engine.pool.used_blocks == 0 and sorted(engine.pool.free_blocks) == list(range(engine.pool.num_blocks))
         assert all(count == 0 for count in engine.pool.ref_count)

@@ -322,8 +322,12 @@ def test_a_batching_schedulers_short_prompts_are_prefilled_on_the_packed_weights
         calls.clear()
         cache = engine.new_cache()
         logits, _ = engine.prefill(cache, prompt, batched=True)
-        # every layer matrix on the prompt's rows (lm_head computes its one row in the decode dtype, as ever)
-        assert calls == ([len(prompt)] * 7 * engine.config.model.num_hidden_layers if len(prompt) == 12 else [])
+        # every layer matrix on the prompt's rows, but the last layer's past K and V on its last row only
+        # (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; lm_head computes its one row in the decode
+        # dtype, as ever)
+        last_layer = [1, len(prompt), len(prompt), 1, 1, 1, 1]
+        layers = [len(prompt)] * 7 * (engine.config.model.num_hidden_layers - 1) + last_layer
+        assert calls == (layers if len(prompt) == 12 else [])
         outputs[len(prompt)] = logits
         torch.testing.assert_close(logits, engine.prefill(engine.new_cache(), prompt)[0], atol=1e-3, rtol=1e-3)
     # a scheduler that batches prefills through it too, alone or among others, so its tokens stay its own
@@ -331,7 +335,7 @@ def test_a_batching_schedulers_short_prompts_are_prefilled_on_the_packed_weights
     seq = alone.add(PROMPT, 4, ignore_eos=True)
     calls.clear()
     alone.run_until_done()
-    assert calls.count(12) == 7 * engine.config.model.num_hidden_layers  # its prefill, on the packed weights
+    assert calls.count(12) == 7 * engine.config.model.num_hidden_layers - 5  # its prefill, on the packed weights
     together = Scheduler(engine, max_num_seqs=4)
     seqs = [together.add(p, 4, ignore_eos=True) for p in (PROMPT, PROMPT[::-1], PROMPT + [15])]
     together.run_until_done()
@@ -442,9 +446,14 @@ def test_an_engine_whose_decode_measured_matvec_fastest_sends_every_lone_row_thr
     monkeypatch.setattr("kvbook.model.linear.torch.mv", lambda w, v: shapes.append(tuple(w.shape)) or real(w, v))
     run = matvec.generate(PROMPT, 3, ignore_eos=True)
     m = cfg.model
-    # prefill's last position through lm_head, then every matrix of each of the 2 decode steps, lm_head included
+    # prefill's last position: the last layer's q_proj, o_proj and MLP, and lm_head; then every matrix of each of
+    # the 2 decode steps, lm_head included
     per_step = m.num_hidden_layers * 7 + 1
-    assert shapes[0] == (m.vocab_size, m.hidden_size) and len(shapes) == 1 + 2 * per_step
+    assert shapes[:6] == [(m.num_attention_heads * m.head_dim, m.hidden_size),
+                          (m.hidden_size, m.num_attention_heads * m.head_dim),
+                          (m.intermediate_size, m.hidden_size), (m.intermediate_size, m.hidden_size),
+                          (m.hidden_size, m.intermediate_size), (m.vocab_size, m.hidden_size)]
+    assert len(shapes) == 6 + 2 * per_step
     assert run.output_ids == plain.generate(PROMPT, 3, ignore_eos=True).output_ids  # small model: clear margins
 
 

@@ -132,6 +132,11 @@ class KVCache(LayeredCache):
             for i in range(model.num_hidden_layers)
         ]
 
+    def clear(self) -> None:
+        """Hold no position (the memory stays: kvbook.runtime.engine hands a cache given back to the next sequence)."""
+        for layer in self.layers:
+            layer.length = 0
+
     def copy(self, slots=None) -> KVCache:
         """A new cache holding this one's positions `slots` (a list or tensor of indices; default: all, in order),
         in every layer, with K and V of the same slot kept together: a cache that lost a position, or holds them

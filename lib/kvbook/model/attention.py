@@ -3,7 +3,8 @@
 The order of operations follows transformers' Qwen3Attention with eager attention; the two attention
 products and the softmax run in float32. Explained in chapter 3 ("Inside layer 0"); the cache write in chapters 4 and 5.
 
-Shapes: B sequences, T new positions (the prompt's 256 in prefill, 1 in decode), S positions attention reads (the
+Shapes: B sequences, T new positions (the prompt's 256 in prefill, 1 in decode), Q of them that ask (T, but 1 in the
+last layer of a prefill, whose other positions' outputs nothing reads), S positions attention reads (the
 history plus the new ones: 257 at the first decode step), H query heads, KV key/value heads, D = head_dim, C = H x D
 (the article's model: H = KV = 32, D = 128, C = hidden = 4096).
 """
@@ -49,14 +50,20 @@ class Attention(nn.Module):
         self.attn_weights = Probe()  # [B, H, T, S], the softmax over positions
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache, mask: torch.Tensor | None, per_row: bool = False) -> torch.Tensor:
+                cache, mask: torch.Tensor | None, per_row: bool = False, last_only: bool = False) -> torch.Tensor:
         """cache: this layer's cache (None: no cache), or with per_row (a batched decode step, x [B, 1, C]) a list
-        with one per sequence, row b appending to and reading cache[b] (kvbook.model.forward_batch)."""
+        with one per sequence, row b appending to and reading cache[b] (kvbook.model.forward_batch).
+        last_only: K and V of every position, the query of the last one only (-> [B, 1, C]): the last layer's, when
+        nothing reads the other positions' outputs (kvbook.model.qwen3)."""
         batch, length, _ = x.shape  # x [B, T, C]
-        q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim))  # [B, T, H, D]
+        queries = 1 if last_only else length  # Q: the last `queries` positions
+        if mask is not None and mask.dim() == 2:
+            mask = mask[-queries:]  # [Q, S]: the last position's row masks nothing
+        q = self.q_proj(x[:, -queries:]).view(batch, queries, self.num_heads, self.head_dim)  # [B, Q, H, D]
+        q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim))  # [B, T, KV, D]
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, KV, D]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q [B, H, T, D], k and v [B, KV, T, D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q [B, H, Q, D], k and v [B, KV, T, D]
         q, k = self.rope(q, k, cos, sin)  # RoPE before caching: the cache holds rotated keys
         if per_row:  # batched decode: each sequence appends to and reads its own history
             out = torch.cat([self._attend(q[b:b + 1], *layer_cache.append(k[b:b + 1], v[b:b + 1]), None)
@@ -64,9 +71,9 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 k, v = cache.append(k, v)  # [B, KV, S, D], S = positions so far
-            out = self._attend(q, self.k_cached(k), self.v_cached(v), mask)  # [B, H, T, D]
-        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)  # [B, T, C]
-        return self.o_proj(out)  # [B, T, C]
+            out = self._attend(q, self.k_cached(k), self.v_cached(v), mask)  # [B, H, Q, D]
+        out = out.transpose(1, 2).reshape(batch, queries, self.num_heads * self.head_dim)  # [B, Q, C]
+        return self.o_proj(out)  # [B, Q, C]
 
     def _attend(self, q, k, v, mask):
         """q [B, H, T, D], k and v [B, KV, S, D] -> [B, H, T, D]."""

@@ -29,9 +29,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
 
-    def forward(self, x, cos, sin, cache, mask, per_row=False):  # x [B, T, C]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, per_row)  # residual add
-        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, C]
+    def forward(self, x, cos, sin, cache, mask, per_row=False, last_only=False):  # x [B, T, C]
+        """last_only: every position's K and V go to the cache, but only the last position goes on (-> [B, 1, C])."""
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, cache, mask, per_row, last_only)  # [B, T or 1, C]
+        x = x[:, -attended.shape[1]:] + attended  # residual add
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T or 1, C]
 
 
 class Qwen3Model(nn.Module):
@@ -46,8 +48,12 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, batch=None,
-                compute_dtype: torch.dtype | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [1, T], positions [T] -> final-normed hidden states [1, T, C].
+                compute_dtype: torch.dtype | None = None, inputs_embeds: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """input_ids [1, T], positions [T] -> final-normed hidden states [1, T, C], or with last_only those of the
+        last position [1, 1, C]: the last layer then computes its queries, attention output and MLP for that
+        position alone (every position's K and V still go to the cache; no later layer reads the others' outputs).
+        Chapter 4 shows it and measures what it saves.
         batch: a ForwardBatch (kvbook.model.forward_batch; a batched decode step's, input_ids [B, 1] and positions
         [B] with one per sequence, from kvbook.runtime.inputs.prepare_decode), a cache (which describes itself),
         or None (no cache).
@@ -62,8 +68,9 @@ class Qwen3Model(nn.Module):
         batch = ForwardBatch.of(batch, len(self.layers), x.shape[1], x.device)
         if batch.per_row:  # one position per sequence, each with its own angle: [B, 1, 1, D]
             cos, sin = cos[:, None, None], sin[:, None, None]
-        for layer, layer_cache in zip(self.layers, batch.layer_caches, strict=True):
-            x = layer(x, cos, sin, layer_cache, batch.mask, batch.per_row)  # [B, T, C]
+        last = len(self.layers) - 1
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, batch.layer_caches, strict=True)):
+            x = layer(x, cos, sin, layer_cache, batch.mask, batch.per_row, last_only and i == last)  # [B, T, C]
         return self.norm(x)
 
 
@@ -80,7 +87,7 @@ class Qwen3ForCausalLM(nn.Module):
                 compute_dtype: torch.dtype | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """-> logits [B, 1, vocab] for the last position (what generation needs), or [B, T, vocab].
         batch, inputs_embeds: as Qwen3Model.forward takes them."""
-        hidden = self.model(input_ids, positions, batch, compute_dtype, inputs_embeds)  # [B, T, C]
-        if last_only:
-            hidden = hidden[:, -1:]  # [B, 1, C]: lm_head (C x V parameters) runs on one position only
-        return self.lm_head(hidden)  # [B, 1, V]
+        # last_only: lm_head (C x V parameters) runs on one position only, and so do the last layer's queries,
+        # attention output and MLP (Qwen3Model.forward)
+        hidden = self.model(input_ids, positions, batch, compute_dtype, inputs_embeds, last_only)  # [B, 1 or T, C]
+        return self.lm_head(hidden)  # [B, 1 or T, V]

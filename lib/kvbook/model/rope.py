@@ -26,7 +26,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class ApplyRope(nn.Module):
     """A module (not a bare function) so that the trace records its shapes like every other step."""
 
-    def forward(self, q, k, cos, sin):  # q [B, H, T, D], k [B, KV, T, D], cos/sin [T, D]
-        q_rotated = q * cos + rotate_half(q) * sin  # [B, H, T, D]
+    def forward(self, q, k, cos, sin):  # q [B, H, Q, D] (the last Q of k's positions), k [B, KV, T, D], cos/sin [T, D]
+        q_cos, q_sin = cos[..., -q.shape[-2]:, :], sin[..., -q.shape[-2]:, :]  # [Q, D]
+        q_rotated = q * q_cos + rotate_half(q) * q_sin  # [B, H, Q, D]
         k_rotated = k * cos + rotate_half(k) * sin  # [B, KV, T, D]
         return q_rotated, k_rotated

@@ -9,6 +9,7 @@ holds 383 positions: the last token is never fed back. Explained in chapters 4 (
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from pathlib import Path
 
@@ -109,6 +110,11 @@ class Engine:
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config
         self.model = model
+        # a contiguous cache given back, kept for the next sequence: its memory is faulted in already. A fresh one
+        # is new memory that its first prefill faults in, page by page (~17 ms of a 256-token prefill on an Intel
+        # Xeon: BENCHMARKS.md); a paged pool is allocated once anyway
+        self.spare_cache: KVCache | None = None
+        self._spare_lock = threading.Lock()  # two threads' new_cache never get the same spare
         # the paged layout's pool of blocks, shared by every sequence this engine runs
         self.pool = BlockPool(config.model, config.kv_cache, self.device) if config.kv_cache.layout == "paged" \
             else None
@@ -136,16 +142,23 @@ class Engine:
         if kv.layout == "paged":
             return PagedKVCache(self.pool, self.config.model.num_hidden_layers,
                                 self.config.model.max_position_embeddings)
+        with self._spare_lock:
+            spare, self.spare_cache = self.spare_cache, None
+        if spare is not None and (spare.model, spare.kv) == (self.config.model, kv):
+            spare.clear()
+            return spare
         return KVCache(self.config.model, kv, self.device)
 
     def release_cache(self, cache) -> None:
         """A sequence is done with its cache: a paged cache's blocks go back to the pool, the decoder's cache to the
-        decoder."""
+        decoder, a contiguous one to the next new_cache (so it must not be used after this)."""
         if cache is None:
             return
         cache.free()
         if self.decoder is not None and cache is self.decoder.cache:
             self.decoder.release()
+        elif isinstance(cache, KVCache) and cache.batch == 1:
+            self.spare_cache = cache
 
     def prefill(self, cache, prompt: list[int], chunk: int = 0, batched: bool = False) -> tuple[torch.Tensor, int]:
         """Fill the cache with the prompt from where it stands -> (logits of the last position computed

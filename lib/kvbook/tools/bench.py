@@ -308,7 +308,9 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         "floors": {"decode_weight_bytes": weights_read, "decode_kv_bytes": kv_read,
                    "read_gbps": read_gbps, "read_gbps_samples": [round(r, 2) for r in reads],
                    "read_median_gbps": machine["read_median_gbps"],
-                   "prefill_flops": flops, "peak_gflops": machine["peak_gflops"],
+                   "prefill_flops": flops,
+                   "prefill_flops_computed": prefill_flops(config.model, config.inference.input_len, computed=True),
+                   "peak_gflops": machine["peak_gflops"],
                    "peak_gflops_dtype": machine["peak_gflops_dtype"], "compute_dtypes": machine["compute_dtypes"]},
         "kernels": machine["kernels"], "identity": machine["identity"],
         "paths": engine["paths"], "paths_text": engine["paths_text"],
@@ -516,7 +518,8 @@ def format_table(r: dict) -> str:
                  f"+ {f['decode_kv_bytes'] / 1e6:.1f} MB of K/V) / {f['read_gbps']:.1f} GB/s (plain read, best)")
     lines.append(f"compute floor {r['compute_floor_ms']:.1f} ms = {f['prefill_flops'] / 1e9:.1f} GFLOP of prefill / "
                  f"{f['peak_gflops']:.0f} GFLOP/s ({f['peak_gflops_dtype']} matrix product, the best of "
-                 f"{', '.join(f['compute_dtypes'])})")
+                 f"{', '.join(f['compute_dtypes'])}); the engine computes {f['prefill_flops_computed'] / 1e9:.1f} "
+                 "GFLOP of it (the last layer's queries, attention output and MLP on the last position only)")
     lines.append(f"weights kept: {r['weight_bytes_kept'] / 2**20:.0f} MiB (values {r['weight_bytes'] / 2**20:.0f} MiB "
                  "+ arithmetic copies)")
     lines.append("kernels (GB/s of the weight read; GFLOP/s):")

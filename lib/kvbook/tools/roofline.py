@@ -50,14 +50,20 @@ class ModuleTimer:
             handle.remove()
 
 
-def prefill_flops(m: ModelConfig, t: int) -> int:
+def prefill_flops(m: ModelConfig, t: int, computed: bool = False) -> int:
     """FLOPs of prefill's matrix products for t prompt positions, from the shapes: every layer matrix on t rows,
     attention's two products over the t x t square (as computed, masked), lm_head on the last position only. (Norms,
-    RoPE and SwiGLU's few FLOPs per element are left out: well under 0.1%.)"""
+    RoPE and SwiGLU's few FLOPs per element are left out: well under 0.1%.) This is the compute floor's count.
+    computed: what the engine computes, which is less: the last layer's K and V on t rows, its queries, attention
+    and the matrices after it on the last row only (kvbook.model.qwen3)."""
     q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
     layer = (q + 2 * kv) * m.hidden_size + m.hidden_size * q + 3 * m.hidden_size * m.intermediate_size
     attention = 4 * m.num_attention_heads * t * t * m.head_dim
-    return m.num_hidden_layers * (2 * t * layer + attention) + 2 * m.hidden_size * m.vocab_size
+    total = m.num_hidden_layers * (2 * t * layer + attention) + 2 * m.hidden_size * m.vocab_size
+    if not computed:
+        return total
+    after_kv = layer - 2 * kv * m.hidden_size  # q_proj, o_proj and the MLP
+    return total - 2 * (t - 1) * after_kv - 4 * m.num_attention_heads * (t - 1) * t * m.head_dim
 
 
 def _linear(op, layer, t, module, act_dtype, dtype_of_weight):
@@ -73,31 +79,39 @@ def _linear(op, layer, t, module, act_dtype, dtype_of_weight):
 
 def op_costs(engine: Engine, t: int, s: int, act_dtype: torch.dtype, prefill: bool) -> list[dict]:
     """FLOPs and bytes of every op for T new positions attending to S positions, the matrices read in act_dtype
-    (the phase's path, kvbook.runtime.paths) and lm_head's one row in the decode path's dtype."""
+    (the phase's path, kvbook.runtime.paths) and lm_head's one row in the decode path's dtype. In prefill the last
+    layer computes K and V for the T positions and the rest for the last one only (kvbook.model.qwen3)."""
     m, model = engine.config.model, engine.model
     a = torch.finfo(act_dtype).bits // 8
     d = act_dtype
     cache_bytes = torch.finfo(engine.dtype).bits // 8
     rows = [{"op": "embedding", "layer": None, "flops": 0, "bytes": 2 * t * m.hidden_size * a}]
+    last = len(model.model.layers) - 1
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        norm = {"flops": 4 * t * m.hidden_size, "bytes": 2 * t * m.hidden_size * a}
-        rows.append({"op": "input_layernorm", "layer": i, **norm})
-        rows += [_linear(name, i, t, getattr(attn, name), d, d) for name in ("q_proj", "k_proj", "v_proj")]
-        heads = (m.num_attention_heads + m.num_key_value_heads) * m.head_dim
-        rows.append({"op": "qk_norm + rope", "layer": i, "flops": 10 * t * heads, "bytes": 4 * t * heads * a})
+        q = 1 if prefill and i == last else t  # positions that go on past K and V
+
+        def norm(n):
+            return {"flops": 4 * n * m.hidden_size, "bytes": 2 * n * m.hidden_size * a}
+
+        rows.append({"op": "input_layernorm", "layer": i, **norm(t)})
+        rows.append(_linear("q_proj", i, q, attn.q_proj, d, d))
+        rows += [_linear(name, i, t, getattr(attn, name), d, d) for name in ("k_proj", "v_proj")]
+        heads = q * m.num_attention_heads + t * m.num_key_value_heads  # heads normed and rotated
+        rows.append({"op": "qk_norm + rope", "layer": i, "flops": 10 * heads * m.head_dim,
+                     "bytes": 4 * heads * m.head_dim * a})
         rows.append({"op": "attention", "layer": i,
-                     "flops": 4 * m.num_attention_heads * t * s * m.head_dim,
+                     "flops": 4 * m.num_attention_heads * q * s * m.head_dim,
                      "bytes": 2 * s * m.num_key_value_heads * m.head_dim * cache_bytes  # K and V read
-                     + 2 * m.num_attention_heads * t * s * 4  # float32 scores written, then read
-                     + 2 * t * m.num_attention_heads * m.head_dim * a})
-        rows.append(_linear("o_proj", i, t, attn.o_proj, d, d))
-        rows.append({"op": "post_attention_layernorm", "layer": i, **norm})
-        rows += [_linear(name, i, t, getattr(mlp, name), d, d) for name in ("gate_proj", "up_proj")]
-        rows.append({"op": "silu * up", "layer": i, "flops": 5 * t * m.intermediate_size,
-                     "bytes": 3 * t * m.intermediate_size * a})
-        rows.append(_linear("down_proj", i, t, mlp.down_proj, d, d))
-    rows.append({"op": "final norm", "layer": None, "flops": 4 * t * m.hidden_size, "bytes": 2 * t * m.hidden_size * a})
+                     + 2 * m.num_attention_heads * q * s * 4  # float32 scores written, then read
+                     + 2 * q * m.num_attention_heads * m.head_dim * a})
+        rows.append(_linear("o_proj", i, q, attn.o_proj, d, d))
+        rows.append({"op": "post_attention_layernorm", "layer": i, **norm(q)})
+        rows += [_linear(name, i, q, getattr(mlp, name), d, d) for name in ("gate_proj", "up_proj")]
+        rows.append({"op": "silu * up", "layer": i, "flops": 5 * q * m.intermediate_size,
+                     "bytes": 3 * q * m.intermediate_size * a})
+        rows.append(_linear("down_proj", i, q, mlp.down_proj, d, d))
+    rows.append({"op": "final norm", "layer": None, "flops": 4 * m.hidden_size, "bytes": 2 * m.hidden_size * a})
     rows.append(_linear("lm_head", None, 1, model.lm_head, engine.decode_dtype, engine.decode_dtype))  # one row
     return rows
 
