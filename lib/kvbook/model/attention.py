@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self.rope = ApplyRope()
         self.k_cached = Probe()  # K of every position so far: [B, KV, S, D]
         self.v_cached = Probe()
-        self.attn_weights = Probe()  # [B, H, T, S], the softmax over positions
+        self.attn_weights = Probe()  # [B, H, Q, S], the softmax over positions
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache, mask: torch.Tensor | None, per_row: bool = False, last_only: bool = False) -> torch.Tensor:
@@ -76,14 +76,14 @@ class Attention(nn.Module):
         return self.o_proj(out)  # [B, Q, C]
 
     def _attend(self, q, k, v, mask):
-        """q [B, H, T, D], k and v [B, KV, S, D] -> [B, H, T, D]."""
+        """q [B, H, Q, D], k and v [B, KV, S, D] -> [B, H, Q, D]."""
         # The attention products run in float32, whatever the cache holds: softmax is float32 in transformers
         # too, and the scores keep float32's rounding. The price is bytes: the cache is converted on every step
         # (the appendix, "Making it fast on a CPU"; chapter 11 measures the growth with the context).
         k = repeat_kv(k, self.num_heads // self.num_kv_heads).float()  # [B, H, S, D]
         v = repeat_kv(v, self.num_heads // self.num_kv_heads).float()
-        scores = torch.matmul(q.float(), k.transpose(2, 3)) * self.scaling  # [B, H, T, S]
+        scores = torch.matmul(q.float(), k.transpose(2, 3)) * self.scaling  # [B, H, Q, S]
         if mask is not None:
             scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-        weights = self.attn_weights(torch.softmax(scores, dim=-1))  # [B, H, T, S], each row sums to 1
-        return torch.matmul(weights, v).to(q.dtype)  # [B, H, T, D]
+        weights = self.attn_weights(torch.softmax(scores, dim=-1))  # [B, H, Q, S], each row sums to 1
+        return torch.matmul(weights, v).to(q.dtype)  # [B, H, Q, D]

@@ -86,14 +86,14 @@ def op_costs(engine: Engine, t: int, s: int, act_dtype: torch.dtype, prefill: bo
     d = act_dtype
     cache_bytes = torch.finfo(engine.dtype).bits // 8
     rows = [{"op": "embedding", "layer": None, "flops": 0, "bytes": 2 * t * m.hidden_size * a}]
+
+    def norm(n):  # an RMSNorm over n positions
+        return {"flops": 4 * n * m.hidden_size, "bytes": 2 * n * m.hidden_size * a}
+
     last = len(model.model.layers) - 1
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q = 1 if prefill and i == last else t  # positions that go on past K and V
-
-        def norm(n):
-            return {"flops": 4 * n * m.hidden_size, "bytes": 2 * n * m.hidden_size * a}
-
         rows.append({"op": "input_layernorm", "layer": i, **norm(t)})
         rows.append(_linear("q_proj", i, q, attn.q_proj, d, d))
         rows += [_linear(name, i, t, getattr(attn, name), d, d) for name in ("k_proj", "v_proj")]
@@ -111,7 +111,7 @@ def op_costs(engine: Engine, t: int, s: int, act_dtype: torch.dtype, prefill: bo
         rows.append({"op": "silu * up", "layer": i, "flops": 5 * q * m.intermediate_size,
                      "bytes": 3 * q * m.intermediate_size * a})
         rows.append(_linear("down_proj", i, q, mlp.down_proj, d, d))
-    rows.append({"op": "final norm", "layer": None, "flops": 4 * m.hidden_size, "bytes": 2 * m.hidden_size * a})
+    rows.append({"op": "final norm", "layer": None, **norm(1)})
     rows.append(_linear("lm_head", None, 1, model.lm_head, engine.decode_dtype, engine.decode_dtype))  # one row
     return rows
 
