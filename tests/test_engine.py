@@ -48,7 +48,7 @@ def test_a_contiguous_cache_given_back_serves_the_next_sequence_from_empty(engin
     again = engine.generate(PROMPT, 6, ignore_eos=True)
     assert again.output_ids == first.output_ids
     other = Engine(small_config(max_cache_len=128), model=engine.model, progress=False)
-    other.spare_cache = kept  # a cache of another shape is never handed out
+    other.release_cache(kept)  # a cache of another shape is never handed out
     assert other.new_cache() is not kept
 
 

@@ -144,7 +144,7 @@ class Engine:
                                 self.config.model.max_position_embeddings)
         with self._spare_lock:
             spare, self.spare_cache = self.spare_cache, None
-        if spare is not None and (spare.model, spare.kv) == (self.config.model, kv):
+        if spare is not None:
             spare.clear()
             return spare
         return KVCache(self.config.model, kv, self.device)
@@ -157,8 +157,9 @@ class Engine:
         cache.free()
         if self.decoder is not None and cache is self.decoder.cache:
             self.decoder.release()
-        elif isinstance(cache, KVCache) and cache.batch == 1:
-            self.spare_cache = cache
+        elif isinstance(cache, KVCache) and (cache.model, cache.kv, cache.batch) == (self.config.model,
+                                                                                  self.config.kv_cache, 1):
+            self.spare_cache = cache  # one this engine's new_cache would have made: kept for the next sequence
 
     def prefill(self, cache, prompt: list[int], chunk: int = 0, batched: bool = False) -> tuple[torch.Tensor, int]:
         """Fill the cache with the prompt from where it stands -> (logits of the last position computed
