@@ -12,7 +12,7 @@ from kvbook.config import Config, ModelConfig, load_config
 from kvbook.model.linear import FBGEMM, fbgemm_available, onednn_available
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.paths import PhasePath, choose_paths
-from kvbook.tools.bench import decode_weight_bytes, ratios
+from kvbook.tools.bench import decode_weight_bytes, ratios, read_spread_note
 from kvbook.tools.roofline import prefill_flops
 
 from .conftest import small_config
@@ -37,6 +37,8 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
     # the plain read is measured before the runs and after the round; the floor uses the best
     assert len(floors["read_gbps_samples"]) == 2
     assert floors["read_gbps"] == pytest.approx(max(floors["read_gbps_samples"]), abs=0.01)
+    assert floors["memory_floor_at_slowest_read_ms"] == pytest.approx(
+        (floors["decode_weight_bytes"] + floors["decode_kv_bytes"]) / min(floors["read_gbps_samples"]) / 1e6, rel=1e-3)
     assert floors["decode_weight_bytes"] == decode_weight_bytes(load_config("config.toml", TINY_SETTINGS))
     assert floors["decode_kv_bytes"] == 2 * 1 * 2 * 16 * 4 * (256 + 1.5)  # the mean of 2 steps' positions
     assert out["memory_floor_ms"] == pytest.approx(
@@ -173,3 +175,12 @@ def test_peak_compute_times_the_arithmetic_of_the_phase_it_is_given(weight_cache
     assert timed == [(engine.paths.prefill.dtype, engine.paths.prefill.kernel)]  # prefill's by default
     roofline_module.peak_compute_gflops(engine, path=PhasePath(torch.float32, "a batched step's", kernel=FBGEMM))
     assert timed[-1] == (torch.float32, FBGEMM)
+
+
+def test_a_run_whose_plain_read_moved_says_what_the_slowest_sample_gives():
+    floors = {"read_gbps_samples": [54.4, 34.8, 33.6], "memory_floor_at_slowest_read_ms": 73.6}
+    note = read_spread_note(102.9, floors)
+    assert "between 33.6 and 54.4 GB/s" in note and "(1.62 x)" in note
+    assert "floor is 73.6 ms and TPOT 1.40 x it" in note
+    steady = {"read_gbps_samples": [35.4, 33.7, 33.2], "memory_floor_at_slowest_read_ms": 74.5}
+    assert read_spread_note(86.1, steady) is None  # 1.07 x apart: the best sample is the machine's

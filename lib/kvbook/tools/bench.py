@@ -64,6 +64,9 @@ def _peak_memory_of(r: dict) -> str:
 # Cold starts timed (median reported): on a virtual machine the first process in a while to ask for gigabytes of
 # memory can pay seconds for it, whatever it runs (BENCHMARKS.md, "Cold start").
 COLD_RUNS = 3
+# plain-read samples of one run this far apart (largest / smallest) get a line beside the memory floor: one VM's
+# read moved between 33 and 54 GB/s from minute to minute (BENCHMARKS.md, AMD EPYC Zen 4, 2026-12-03)
+READ_SPREAD = 1.2
 
 
 def _spread(values: list[float]) -> dict:
@@ -298,6 +301,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     flops = prefill_flops(config.model, config.inference.input_len)
     read_gbps = max(reads)
     memory_floor_ms = (weights_read + kv_read) / (read_gbps * 1e9) * 1e3
+    slowest_read_floor_ms = (weights_read + kv_read) / (min(reads) * 1e9) * 1e3
     compute_floor_ms = flops / (machine["peak_gflops"] * 1e9) * 1e3
     result = {
         "ttft_ms": engine["ttft_ms"], "tpot_ms": engine["tpot_ms"],
@@ -308,6 +312,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         "floors": {"decode_weight_bytes": weights_read, "decode_kv_bytes": kv_read,
                    "read_gbps": read_gbps, "read_gbps_samples": [round(r, 2) for r in reads],
                    "read_median_gbps": machine["read_median_gbps"],
+                   "memory_floor_at_slowest_read_ms": slowest_read_floor_ms,
                    "prefill_flops": flops,
                    "prefill_flops_computed": prefill_flops(config.model, config.inference.input_len, computed=True),
                    "peak_gflops": machine["peak_gflops"],
@@ -491,6 +496,19 @@ def ratios(r: dict) -> dict:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
+def read_spread_note(tpot_ms: float, floors: dict) -> str | None:
+    """A line for a run whose plain-read samples differ by READ_SPREAD or more, else None. The memory floor takes the
+    best sample (what the memory can do); on a shared machine a burst can set it, and TPOT against it then says as
+    much about the minute as about the engine (BENCHMARKS.md, "AMD EPYC (Zen 4 ...), 2026-12-03")."""
+    samples = floors["read_gbps_samples"]
+    if min(samples) <= 0 or max(samples) / min(samples) < READ_SPREAD:
+        return None
+    slowest_ms = floors["memory_floor_at_slowest_read_ms"]
+    return (f"  the plain read moved between {min(samples):.1f} and {max(samples):.1f} GB/s in this run "
+            f"({max(samples) / min(samples):.2f} x): at the slowest sample the floor is {slowest_ms:.1f} ms and TPOT "
+            f"{tpot_ms / slowest_ms:.2f} x it; a memory-bound ratio near its goal depends on the minute it ran in")
+
+
 def format_table(r: dict) -> str:
     by_dtype = r.get("transformers_by_dtype", {})
     peers = list(by_dtype)
@@ -516,6 +534,9 @@ def format_table(r: dict) -> str:
     f = r["floors"]
     lines.append(f"memory floor {r['memory_floor_ms']:.1f} ms = ({f['decode_weight_bytes'] / 1e9:.3f} GB of weights "
                  f"+ {f['decode_kv_bytes'] / 1e6:.1f} MB of K/V) / {f['read_gbps']:.1f} GB/s (plain read, best)")
+    note = read_spread_note(r["tpot_ms"], f)
+    if note:
+        lines.append(note)
     lines.append(f"compute floor {r['compute_floor_ms']:.1f} ms = {f['prefill_flops'] / 1e9:.1f} GFLOP of prefill / "
                  f"{f['peak_gflops']:.0f} GFLOP/s ({f['peak_gflops_dtype']} matrix product, the best of "
                  f"{', '.join(f['compute_dtypes'])}); the engine computes {f['prefill_flops_computed'] / 1e9:.1f} "
