@@ -11,6 +11,8 @@ history plus the new ones: 257 at the first decode step), H query heads, KV key/
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -19,6 +21,30 @@ from .linear import Linear
 from .norm import RMSNorm
 from .probe import Probe
 from .rope import ApplyRope
+
+# per thread: one model may serve engines on several threads (a server's scheduler and a notebook's cells)
+_reused = threading.local()
+
+
+def float32_copy(x: torch.Tensor, slot: str) -> torch.Tensor:
+    """x's values in float32, laid out in memory as x is (x itself if it is float32 already).
+
+    On a CPU, outside autograd, the copy is written into memory that this thread reuses for `slot` on every call,
+    so it is valid until the next call with the same slot. A new float32 copy of a long cache is tens of MiB, and
+    the C allocator hands an allocation that large out as fresh pages, each faulted in on its first write: at 2048
+    cached positions one such copy took 12.5 ms against 1.3 ms into reused memory, twice a layer on every decode
+    step (BENCHMARKS.md, "twentieth session"). The memory is kept: at most twice the largest [B, H, S, D] float32
+    tensor attended to, per thread."""
+    if x.dtype == torch.float32:
+        return x
+    if x.device.type != "cpu" or torch.is_grad_enabled():  # a GPU's allocator caches; autograd keeps its inputs
+        return x.float()
+    buffers = _reused.__dict__.setdefault("float32", {})
+    if slot not in buffers or buffers[slot].numel() < x.numel():
+        buffers[slot] = torch.empty(x.numel(), dtype=torch.float32)
+    order = x.dim_order()  # x's dims from outermost to innermost in memory (the cache is stored [B, S, KV, D])
+    dense = buffers[slot][:x.numel()].view([x.shape[dim] for dim in order])
+    return dense.permute([order.index(dim) for dim in range(x.dim())]).copy_(x)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -80,8 +106,8 @@ class Attention(nn.Module):
         # The attention products run in float32, whatever the cache holds: softmax is float32 in transformers
         # too, and the scores keep float32's rounding. The price is bytes: the cache is converted on every step
         # (the appendix, "Making it fast on a CPU"; chapter 11 measures the growth with the context).
-        k = repeat_kv(k, self.num_heads // self.num_kv_heads).float()  # [B, H, S, D]
-        v = repeat_kv(v, self.num_heads // self.num_kv_heads).float()
+        k = float32_copy(repeat_kv(k, self.num_heads // self.num_kv_heads), "k")  # [B, H, S, D]
+        v = float32_copy(repeat_kv(v, self.num_heads // self.num_kv_heads), "v")
         # scaled and masked in place: the same numbers as transformers' out-of-place ops, without two more
         # [B, H, Q, S] float32 tensors (8 MiB each in prefill), whose fresh pages cost ~1% of a 2-core TTFT
         scores = torch.matmul(q.float(), k.transpose(2, 3)).mul_(self.scaling)  # [B, H, Q, S]
