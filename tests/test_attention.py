@@ -44,6 +44,18 @@ def test_memory_is_reused_and_grows_once():
     assert other_slot.untyped_storage().data_ptr() != longer.untyped_storage().data_ptr()
 
 
+def test_inference_mode_and_no_grad_share_the_memory():
+    """The engine runs under inference_mode, a chapter's own model call under no_grad: either may come first."""
+    for first, second in ((torch.inference_mode, torch.no_grad), (torch.no_grad, torch.inference_mode)):
+        slot = f"mode-test-{first.__name__}"
+        with first():
+            a = float32_copy(cache_view(10), slot)
+        with second():
+            x = cache_view(10)
+            b = float32_copy(x, slot)
+        assert a.data_ptr() == b.data_ptr() and torch.equal(b, x.float())
+
+
 @torch.inference_mode()
 def test_each_thread_has_its_own_memory():
     pointers = []

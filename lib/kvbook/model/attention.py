@@ -41,7 +41,8 @@ def float32_copy(x: torch.Tensor, slot: str) -> torch.Tensor:
         return x.float()
     buffers = _reused.__dict__.setdefault("float32", {})
     if slot not in buffers or buffers[slot].numel() < x.numel():
-        buffers[slot] = torch.empty(x.numel(), dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: written under inference_mode and under no_grad alike
+            buffers[slot] = torch.empty(x.numel(), dtype=torch.float32)
     order = x.dim_order()  # x's dims from outermost to innermost in memory (the cache is stored [B, S, KV, D])
     dense = buffers[slot][:x.numel()].view([x.shape[dim] for dim in order])
     return dense.permute([order.index(dim) for dim in range(x.dim())]).copy_(x)
