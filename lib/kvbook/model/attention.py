@@ -39,12 +39,13 @@ def float32_copy(x: torch.Tensor, slot: str) -> torch.Tensor:
         return x
     if x.device.type != "cpu" or torch.is_grad_enabled():  # a GPU's allocator caches; autograd keeps its inputs
         return x.float()
-    buffers = _reused.__dict__.setdefault("float32", {})
-    if slot not in buffers or buffers[slot].numel() < x.numel():
+    buffer = getattr(_reused, slot, None)
+    if buffer is None or buffer.numel() < x.numel():
         with torch.inference_mode(False):  # a normal tensor: written under inference_mode and under no_grad alike
-            buffers[slot] = torch.empty(x.numel(), dtype=torch.float32)
+            buffer = torch.empty(x.numel(), dtype=torch.float32)
+        setattr(_reused, slot, buffer)
     order = x.dim_order()  # x's dims from outermost to innermost in memory (the cache is stored [B, S, KV, D])
-    dense = buffers[slot][:x.numel()].view([x.shape[dim] for dim in order])
+    dense = buffer[:x.numel()].view([x.shape[dim] for dim in order])
     return dense.permute([order.index(dim) for dim in range(x.dim())]).copy_(x)
 
 
