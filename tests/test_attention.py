@@ -98,3 +98,11 @@ def test_float16_logits_equal_those_of_fresh_copies(monkeypatch, kv_heads):
     fresh = run()
     for a, b in zip(reused, fresh, strict=True):
         assert torch.equal(a, b)
+
+
+@torch.inference_mode()
+def test_memory_grows_by_a_quarter_so_a_growing_cache_reuses_it():
+    """A decode step attends to one position more than the step before: growing by exactly that would hand out
+    fresh memory on every step."""
+    pointers = [float32_copy(cache_view(positions), "growth-test").data_ptr() for positions in range(40, 51)]
+    assert len(set(pointers)) == 2  # 40 positions, then room for 50 when the 41st came

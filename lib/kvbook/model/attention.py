@@ -11,41 +11,29 @@ history plus the new ones: 257 at the first decode step), H query heads, KV key/
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
 
+from .. import scratch
 from ..config import ModelConfig
 from .linear import Linear
 from .norm import RMSNorm
 from .probe import Probe
 from .rope import ApplyRope
 
-# per thread: one model may serve engines on several threads (a server's scheduler and a notebook's cells)
-_reused = threading.local()
-
 
 def float32_copy(x: torch.Tensor, slot: str) -> torch.Tensor:
     """x's values in float32, laid out in memory as x is (x itself if it is float32 already).
 
-    On a CPU, outside autograd, the copy is written into memory that this thread reuses for `slot` on every call,
-    so it is valid until the next call with the same slot. A new float32 copy of a long cache is tens of MiB, and
-    the C allocator hands an allocation that large out as fresh pages, each faulted in on its first write: at 2048
-    cached positions one such copy took 12.5 ms against 1.3 ms into reused memory, twice a layer on every decode
-    step (BENCHMARKS.md, "twentieth session"). The memory is kept: at most twice the largest [B, H, S, D] float32
-    tensor attended to, per thread."""
+    Where kvbook.scratch allows it (a CPU, outside autograd) the copy is written into memory that this thread
+    reuses for `slot`, so it is valid until the next call with the same slot: a fresh float32 copy of a long cache
+    is tens of MiB of new pages on every step (kvbook.scratch)."""
     if x.dtype == torch.float32:
         return x
-    if x.device.type != "cpu" or torch.is_grad_enabled():  # a GPU's allocator caches; autograd keeps its inputs
+    if not scratch.reusable(x.device):
         return x.float()
-    buffer = getattr(_reused, slot, None)
-    if buffer is None or buffer.numel() < x.numel():
-        with torch.inference_mode(False):  # a normal tensor: written under inference_mode and under no_grad alike
-            buffer = torch.empty(x.numel(), dtype=torch.float32)
-        setattr(_reused, slot, buffer)
     order = x.dim_order()  # x's dims from outermost to innermost in memory (the cache is stored [B, S, KV, D])
-    dense = buffer[:x.numel()].view([x.shape[dim] for dim in order])
+    dense = scratch.empty([x.shape[dim] for dim in order], torch.float32, slot)
     return dense.permute([order.index(dim) for dim in range(x.dim())]).copy_(x)
 
 
