@@ -106,3 +106,36 @@ def test_memory_grows_by_a_quarter_so_a_growing_cache_reuses_it():
     fresh memory on every step."""
     pointers = [float32_copy(cache_view(positions), "growth-test").data_ptr() for positions in range(40, 51)]
     assert len(set(pointers)) == 2  # 40 positions, then room for 50 when the 41st came
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@torch.inference_mode()
+def test_blocks_of_positions_give_the_numbers_of_the_whole_cache(monkeypatch, dtype):
+    """K and V are converted and multiplied KV_BLOCK positions at a time; with blocks of 4 positions, 17 to 21
+    cached positions are 5 or 6 blocks, and the logits stay those of one block within float32's rounding (float16's
+    for a float16 model, whose attention output is rounded to float16)."""
+    cfg = small_config(heads=4, kv_heads=2, head_dim=16, tied=False, dtype=dtype)
+    model = build_model(cfg.model, random_weights(cfg.model, getattr(torch, dtype), progress=False),
+                        torch.device("cpu"))
+    prompt = torch.randint(0, cfg.model.vocab_size, (1, 17), generator=torch.Generator().manual_seed(2))
+
+    copies = []
+    original = attention.float32_copy
+    monkeypatch.setattr(attention, "float32_copy", lambda x, slot: copies.append(x.shape[2]) or original(x, slot))
+
+    def run() -> list[torch.Tensor]:
+        cache = KVCache(cfg.model, cfg.kv_cache, torch.device("cpu"))
+        logits = [model(prompt, torch.arange(17), cache)]  # [1, 1, vocab]
+        for step in range(4):
+            logits.append(model(torch.tensor([[7 + step]]), torch.tensor([17 + step]), cache))
+        return [x.float() for x in logits]
+
+    whole = run()
+    assert set(copies) == {17, 18, 19, 20, 21}  # one block: every position at once
+    copies.clear()
+    monkeypatch.setattr(attention, "KV_BLOCK", 4)
+    blocked = run()
+    assert set(copies) == {1, 2, 3, 4} and len(copies) == 2 * 2 * (5 + 5 + 5 + 5 + 6)  # K and V, 2 layers
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    for a, b in zip(whole, blocked, strict=True):
+        torch.testing.assert_close(b, a, atol=tolerance, rtol=tolerance)

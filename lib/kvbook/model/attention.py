@@ -21,6 +21,10 @@ from .norm import RMSNorm
 from .probe import Probe
 from .rope import ApplyRope
 
+# positions of K and V converted to float32 at a time: [1, 32, 512, 128] float32 is 8 MiB (BENCHMARKS.md, "twenty-first
+# session": at 4064 positions one layer's decode attention took 15-18 ms with a whole copy, 8-10 ms in blocks of 512)
+KV_BLOCK = 512
+
 
 def float32_copy(x: torch.Tensor, slot: str) -> torch.Tensor:
     """x's values in float32, laid out in memory as x is (x itself if it is float32 already).
@@ -95,13 +99,26 @@ class Attention(nn.Module):
         """q [B, H, Q, D], k and v [B, KV, S, D] -> [B, H, Q, D]."""
         # The attention products run in float32, whatever the cache holds: softmax is float32 in transformers
         # too, and the scores keep float32's rounding. The price is bytes: the cache is converted on every step
-        # (the appendix, "Making it fast on a CPU"; chapter 11 measures the growth with the context).
-        k = float32_copy(repeat_kv(k, self.num_heads // self.num_kv_heads), "k")  # [B, H, S, D]
-        v = float32_copy(repeat_kv(v, self.num_heads // self.num_kv_heads), "v")
+        # (the appendix, "Making it fast on a CPU"; chapter 11 measures the growth with the context). On a CPU it is
+        # converted KV_BLOCK positions at a time, into memory small enough to stay in the cache memory, instead of a
+        # float32 copy of every position written out to RAM and read back; up to KV_BLOCK positions (the article's
+        # 256-384) that is one block, the whole cache at once.
+        k = repeat_kv(k, self.num_heads // self.num_kv_heads)  # [B, H, S, D]
+        v = repeat_kv(v, self.num_heads // self.num_kv_heads)
+        length = k.shape[2]
+        blocks = [slice(start, start + KV_BLOCK) for start in range(0, length, KV_BLOCK)] \
+            if scratch.reusable(k.device) else [slice(0, length)]
+        query = q.float()  # [B, H, Q, D]
+        scores = query.new_empty(*q.shape[:3], length)  # [B, H, Q, S]
+        for block in blocks:
+            torch.matmul(query, float32_copy(k[:, :, block], "k").transpose(2, 3), out=scores[..., block])
         # scaled and masked in place: the same numbers as transformers' out-of-place ops, without two more
         # [B, H, Q, S] float32 tensors (8 MiB each in prefill), whose fresh pages cost ~1% of a 2-core TTFT
-        scores = torch.matmul(q.float(), k.transpose(2, 3)).mul_(self.scaling)  # [B, H, Q, S]
+        scores.mul_(self.scaling)
         if mask is not None:
             scores.masked_fill_(mask, torch.finfo(scores.dtype).min)
         weights = self.attn_weights(torch.softmax(scores, dim=-1))  # [B, H, Q, S], each row sums to 1
-        return torch.matmul(weights, v).to(q.dtype)  # [B, H, Q, D]
+        out = torch.matmul(weights[..., blocks[0]], float32_copy(v[:, :, blocks[0]], "v"))  # [B, H, Q, D]
+        for block in blocks[1:]:  # the weighted sum over positions, a block at a time
+            out.add_(torch.matmul(weights[..., block], float32_copy(v[:, :, block], "v")))
+        return out.to(q.dtype)  # [B, H, Q, D]
