@@ -100,18 +100,21 @@ class Attention(nn.Module):
         # The attention products run in float32, whatever the cache holds: softmax is float32 in transformers
         # too, and the scores keep float32's rounding. The price is bytes: the cache is converted on every step
         # (the appendix, "Making it fast on a CPU"; chapter 11 measures the growth with the context). On a CPU it is
-        # converted KV_BLOCK positions at a time, into memory small enough to stay in the cache memory, instead of a
-        # float32 copy of every position written out to RAM and read back; up to KV_BLOCK positions (the article's
-        # 256-384) that is one block, the whole cache at once.
+        # converted KV_BLOCK positions at a time, into memory small enough to stay in the processor's cache, instead
+        # of a float32 copy of every position written out to RAM and read back; up to KV_BLOCK positions (the
+        # article's 256-384) that is one block, the whole cache at once.
         k = repeat_kv(k, self.num_heads // self.num_kv_heads)  # [B, H, S, D]
         v = repeat_kv(v, self.num_heads // self.num_kv_heads)
         length = k.shape[2]
         blocks = [slice(start, start + KV_BLOCK) for start in range(0, length, KV_BLOCK)] \
             if scratch.reusable(k.device) else [slice(0, length)]
         query = q.float()  # [B, H, Q, D]
-        scores = query.new_empty(*q.shape[:3], length)  # [B, H, Q, S]
-        for block in blocks:
-            torch.matmul(query, float32_copy(k[:, :, block], "k").transpose(2, 3), out=scores[..., block])
+        if len(blocks) == 1:  # also under autograd, which takes no out=
+            scores = torch.matmul(query, float32_copy(k, "k").transpose(2, 3))  # [B, H, Q, S]
+        else:
+            scores = query.new_empty(*q.shape[:3], length)  # [B, H, Q, S]
+            for block in blocks:
+                torch.matmul(query, float32_copy(k[:, :, block], "k").transpose(2, 3), out=scores[..., block])
         # scaled and masked in place: the same numbers as transformers' out-of-place ops, without two more
         # [B, H, Q, S] float32 tensors (8 MiB each in prefill), whose fresh pages cost ~1% of a 2-core TTFT
         scores.mul_(self.scaling)
