@@ -1,5 +1,6 @@
 """Attention's float32 copies of K and V (kvbook.model.attention.float32_copy): the values of x.float(), in x's
-layout, written into memory each thread reuses, and a float16 model's logits bit for bit those of fresh copies."""
+layout, written into memory each thread reuses, and a float16 model's logits bit for bit those of fresh copies; and
+K and V taken KV_BLOCK positions at a time, within float32's rounding of the whole cache at once."""
 
 import threading
 

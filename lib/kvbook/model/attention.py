@@ -31,7 +31,7 @@ def float32_copy(x: torch.Tensor, slot: str) -> torch.Tensor:
 
     Where kvbook.scratch allows it (a CPU, outside autograd) the copy is written into memory that this thread
     reuses for `slot`, so it is valid until the next call with the same slot: a fresh float32 copy of a long cache
-    is tens of MiB of new pages on every step (kvbook.scratch)."""
+    is tens of MiB of new pages on every step (kvbook.scratch); _attend asks for a block of KV_BLOCK positions."""
     if x.dtype == torch.float32:
         return x
     if not scratch.reusable(x.device):
