@@ -89,6 +89,24 @@ def test_paths_are_measured_once_per_machine_and_cached(weight_cache, monkeypatc
         assert first.packed_prefill_rows == 0 and "does not pack" in first.packed_prefill_reason
 
 
+def test_a_cpu_that_hides_amx_gets_its_own_measured_paths(monkeypatch):
+    # two virtual machines of one processor model (Intel Xeon, family 6 model 207), one with AMX and one without:
+    # torch names both AVX512, their fastest prefills differ, so they must not share a cached choice
+    paths = kvbook.runtime.paths
+    base = "fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512_vnni"
+    info = {"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "207"}
+    cfg = small_config(dtype="float16")
+    identities, files = [], []
+    for flags in (base, base + " avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8"):
+        monkeypatch.setattr(paths, "_cpuinfo", lambda flags=flags: {**info, "flags": flags})
+        identities.append(cpu_identity())
+        files.append(paths._cache_path(cfg))
+    assert identities[0]["vector_flags"] == ["avx", "avx2", "avx512_vnni", "avx512bw", "avx512f", "f16c", "fma"]
+    assert set(identities[1]["vector_flags"]) - set(identities[0]["vector_flags"]) == \
+        {"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"}
+    assert identities[0]["isa"] == identities[1]["isa"] and files[0] != files[1]
+
+
 def test_a_choice_timed_on_a_busy_machine_is_used_but_not_cached(weight_cache, monkeypatch):
     paths = kvbook.runtime.paths
     with paths.OthersLoad() as load:  # the real /proc/stat: a share of the machine

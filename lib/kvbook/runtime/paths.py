@@ -222,13 +222,23 @@ def cpu_model() -> str:
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
+def vector_flags(info: dict[str, str]) -> list[str]:
+    """The vector and matrix instruction sets among the CPU's flags (avx*, amx*, fma, f16c), sorted.
+
+    A virtual machine may hide some of its processor's: two Intel Xeons that both report family 6 model 207 ran
+    bfloat16 products through AMX on one and without it on the other, where float32 prefill was 3.8 x faster than
+    bfloat16 (BENCHMARKS.md, "twenty-second session"), and torch names both "AVX512"."""
+    return sorted(flag for flag in info.get("flags", "").split()
+                  if flag.startswith(("avx", "amx")) or flag in ("fma", "f16c"))
+
+
 def cpu_identity() -> dict:
-    """What decides which kernels run: the CPU (model name, family and model numbers), the instruction set torch
-    dispatches to, torch's version and its thread count."""
+    """What decides which kernels run: the CPU (model name, family and model numbers, its vector instruction
+    sets), the instruction set torch dispatches to, torch's version and its thread count."""
     info = _cpuinfo()
     return {"cpu": cpu_model(), "family": info.get("cpu family", ""), "model": info.get("model", ""),
-            "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+            "vector_flags": vector_flags(info), "isa": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def _busy_cpu_seconds() -> float | None:
