@@ -11,12 +11,32 @@ import torch
 from kvbook.config import Config, ModelConfig, load_config
 from kvbook.model.linear import FBGEMM, fbgemm_available, onednn_available
 from kvbook.runtime.engine import Engine
-from kvbook.runtime.paths import PhasePath, choose_paths
+from kvbook.runtime.paths import READ_LOOPS, PhasePath, choose_paths, read_bandwidth_gbps
 from kvbook.tools.bench import decode_weight_bytes, ratios, read_spread_note
 from kvbook.tools.roofline import prefill_flops
 
 from .conftest import small_config
 from .test_cli import TINY, TINY_SETTINGS
+
+
+def test_the_plain_read_is_the_faster_loop(monkeypatch):
+    """The memory floor's bandwidth is the fastest of the plain reads, not torch.sum's alone: a loop that reads
+    the same bytes faster sets it, and the result names it."""
+    import time
+
+    def slow_sum(data):
+        time.sleep(0.02)
+        return data.sum()
+
+    monkeypatch.setattr("kvbook.runtime.paths.READ_LOOPS", {"slow": slow_sum, "fast": lambda data: data.sum()})
+    read = read_bandwidth_gbps(torch.device("cpu"), gib=1 / 64, repeats=3)
+    assert read["read_loop"] == "fast"
+    assert read["read_loops_gbps"]["fast"] > read["read_loops_gbps"]["slow"]
+    assert read["read_gbps"] == pytest.approx(read["read_loops_gbps"]["fast"], abs=0.01)
+    assert read["read_bytes"] == 2**30 // 64
+    # the real loops read every byte once: each sums 1.0 over the data to its element count
+    data = torch.ones(1024)
+    assert [float(loop(data)) for loop in READ_LOOPS.values()] == [1024.0] * len(READ_LOOPS)
 
 
 def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
@@ -37,6 +57,10 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
     # the plain read is measured before the runs and after the round; the floor uses the best
     assert len(floors["read_gbps_samples"]) == 2
     assert floors["read_gbps"] == pytest.approx(max(floors["read_gbps_samples"]), abs=0.01)
+    # each sample is the faster of the plain reads, named
+    assert len(floors["read_loops"]) == 2 and set(floors["read_loops"]) <= set(READ_LOOPS)
+    assert set(floors["read_loops_gbps"]) == set(READ_LOOPS)
+    assert floors["read_gbps_samples"][0] == pytest.approx(max(floors["read_loops_gbps"].values()), abs=0.01)
     assert floors["memory_floor_at_slowest_read_ms"] == pytest.approx(
         (floors["decode_weight_bytes"] + floors["decode_kv_bytes"]) / min(floors["read_gbps_samples"]) / 1e6, rel=1e-3)
     assert floors["decode_weight_bytes"] == decode_weight_bytes(load_config("config.toml", TINY_SETTINGS))

@@ -614,22 +614,31 @@ def choose_paths(config: Config, device: torch.device, progress: bool = False) -
 
 # ---- the machine's own numbers, for the bench's floors and its kernel table --------------------------------
 
+# the plain reads: each reads every byte of its data once and does next to no arithmetic per byte, so neither is
+# limited by a kernel's arithmetic. Which streams faster depends on the CPU (on an Intel Xeon without AMX MKL's dot
+# product read 29.4-31.2 GB/s where torch.sum read 28.5-28.8: BENCHMARKS.md, "twenty-third session"), so both run
+READ_LOOPS = {"torch.sum": lambda data: data.sum(), "torch.dot(x, x)": lambda data: torch.dot(data, data)}
+
+
 def read_bandwidth_gbps(device: torch.device, gib: float = 1.0, repeats: int = 10) -> dict:
-    """The best plain streaming read: torch.sum over `gib` GiB of float32 (no matrix kernel, no dtype's
-    arithmetic), best and median of `repeats`."""
+    """The best plain streaming read over `gib` GiB of float32 (no matrix kernel, no dtype's arithmetic): each of
+    READ_LOOPS `repeats` times, interleaved; the faster loop's best and median."""
     data = torch.ones(int(gib * 2**30) // 4, device=device)
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in READ_LOOPS}
     for i in range(repeats + 1):
-        synchronize(device)
-        started = time.perf_counter()
-        data.sum()
-        synchronize(device)
-        if i:
-            times.append(time.perf_counter() - started)
+        for name, read in READ_LOOPS.items():
+            synchronize(device)
+            started = time.perf_counter()
+            read(data)
+            synchronize(device)
+            if i:  # the first round warms up
+                times[name].append(time.perf_counter() - started)
+    fastest = min(times, key=lambda name: min(times[name]))
+    best = sorted(times[fastest])
     nbytes = data.numel() * 4
-    times.sort()
-    return {"read_gbps": nbytes / times[0] / 1e9, "read_median_gbps": nbytes / times[len(times) // 2] / 1e9,
-            "read_bytes": nbytes}
+    return {"read_gbps": nbytes / best[0] / 1e9, "read_median_gbps": nbytes / best[len(best) // 2] / 1e9,
+            "read_bytes": nbytes, "read_loop": fastest,
+            "read_loops_gbps": {name: round(nbytes / min(t) / 1e9, 2) for name, t in times.items()}}
 
 
 KERNEL_MATVEC = (32768, 4096)  # rows x inputs, 256 MiB in float16: far larger than any cache

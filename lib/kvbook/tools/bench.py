@@ -5,7 +5,8 @@ the project's goals for these ratios.
 
 The floors belong to the machine, not to one kernel:
   memory floor   the bytes a decode step must read (the weights as stored, the embedding's one row, and the K/V
-                 cache at the run's mean position) / the best plain streaming read (torch.sum over 1 GiB float32)
+                 cache at the run's mean position) / the best plain streaming read over 1 GiB of float32
+                 (torch.sum and MKL's torch.dot(x, x), the faster: kvbook.runtime.paths.READ_LOOPS)
   compute floor  prefill's FLOPs counted from the shapes (lm_head on the last position only) / the best matrix-
                  product rate of any dtype the engine may compute in on the device (kvbook.runtime.paths.candidates,
                  and FBGEMM's kernel on float16 weights where torch has it: a batching scheduler computes with it)
@@ -101,7 +102,7 @@ def probe_worker(config: Config, repeats: int) -> dict:
     """The best plain read bandwidth of the engine's device, in GB/s (kvbook.runtime.paths.read_bandwidth_gbps)."""
     read = read_bandwidth_gbps(resolve_device(config.inference.device), repeats=repeats)
     return {"probe_gbps": read["read_gbps"], "probe_median_gbps": read["read_median_gbps"],
-            "probe": "torch.sum over 1 GiB of float32"}
+            "probe": f"{read['read_loop']} over 1 GiB of float32", "probe_loop": read["read_loop"]}
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -279,13 +280,16 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     _run_worker("engine", config_path, overrides, 0, 1)  # the weight cache and the paths exist (not timed)
     engine_rounds, peer_rounds, cold_runs = [], {d: [] for d in peers}, []
     reads = [machine["read_gbps"]]
+    read_loops = [machine["read_loop"]]  # which plain read streamed fastest in each sample
     for r in range(rounds):
         announce()
         engine_rounds.append(_run_worker("engine", config_path, overrides, repeats, steps))
         for dtype in peers:
             announce()
             peer_rounds[dtype].append(_run_worker(f"transformers:{dtype}", config_path, overrides, repeats, steps))
-        reads.append(_run_worker("probe", config_path, overrides, 10, 1)["probe_gbps"])
+        probe = _run_worker("probe", config_path, overrides, 10, 1)
+        reads.append(probe["probe_gbps"])
+        read_loops.append(probe["probe_loop"])
         if cold and r == 0:
             announce()
             for _ in range(COLD_RUNS):  # each into its own empty cache; the worker exits once the cache is written
@@ -311,6 +315,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         "memory_floor_ms": memory_floor_ms, "compute_floor_ms": compute_floor_ms,
         "floors": {"decode_weight_bytes": weights_read, "decode_kv_bytes": kv_read,
                    "read_gbps": read_gbps, "read_gbps_samples": [round(r, 2) for r in reads],
+                   "read_loops": read_loops, "read_loops_gbps": machine["read_loops_gbps"],
                    "read_median_gbps": machine["read_median_gbps"],
                    "memory_floor_at_slowest_read_ms": slowest_read_floor_ms,
                    "prefill_flops": flops,
