@@ -6,7 +6,7 @@ the project's goals for these ratios.
 The floors belong to the machine, not to one kernel:
   memory floor   the bytes a decode step must read (the weights as stored, the embedding's one row, and the K/V
                  cache at the run's mean position) / the best plain streaming read over 1 GiB of float32
-                 (torch.sum and MKL's torch.dot(x, x), the faster: kvbook.runtime.paths.READ_LOOPS)
+                 (torch.sum and torch.dot(x, x), BLAS's dot product: the faster; kvbook.runtime.paths.READ_LOOPS)
   compute floor  prefill's FLOPs counted from the shapes (lm_head on the last position only) / the best matrix-
                  product rate of any dtype the engine may compute in on the device (kvbook.runtime.paths.candidates,
                  and FBGEMM's kernel on float16 weights where torch has it: a batching scheduler computes with it)
