@@ -12,7 +12,7 @@ from kvbook.config import Config, ModelConfig, load_config
 from kvbook.model.linear import FBGEMM, fbgemm_available, onednn_available
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.paths import READ_LOOPS, PhasePath, choose_paths, read_bandwidth_gbps
-from kvbook.tools.bench import decode_weight_bytes, ratios, read_spread_note
+from kvbook.tools.bench import decode_weight_bytes, paired_summary, ratios, read_spread_note
 from kvbook.tools.roofline import prefill_flops
 
 from .conftest import small_config
@@ -43,7 +43,8 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
     import os
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     result = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--json", "--steps", "2", "--repeats", "1",
-                             "--rounds", "1", "--against", "transformers", *TINY], capture_output=True, text=True,
+                             "--rounds", "1", "--paired-rounds", "3", "--against", "transformers", *TINY],
+                            capture_output=True, text=True,
                             timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout)
@@ -83,6 +84,13 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
     assert ratios["tpot_vs_best_transformers"] == round(out["tpot_ms"] / best["tpot_ms"], 3)
     assert ratios["ttft_vs_compute_floor"] == round(out["ttft_ms"] / out["compute_floor_ms"], 3)
     assert ratios["kv_cache_bytes_exact"] is True
+    # then both decode in one process, alternating, against the peer's faster decode dtype
+    paired = out["tpot_paired"]
+    assert paired["dtype"] == best["tpot_dtype"] and paired["rounds"] == 3
+    assert len(paired["engine_tpot_runs"]) == len(paired["transformers_tpot_runs"]) == 3
+    assert all(t > 0 for t in paired["engine_tpot_runs"] + paired["transformers_tpot_runs"])
+    assert ratios["tpot_vs_best_transformers_paired"] == round(paired["ratio_median"], 3)
+    assert "kvbook bench: [6/6] engine and transformers (its faster decode) alternating" in result.stderr
     assert out["paths"]["decode"]["label"] == out["decode_dtype"] and len(out["paths_text"]) == 6
     assert out["paths"]["prefill"]["label"] == out["prefill_dtype"]  # the kernel too, as the other phases' labels
     assert "kvbook bench: [1/" in result.stderr  # progress lines
@@ -118,8 +126,22 @@ def test_ratios_against_floors_and_the_best_peer():
     assert r["peak_memory_vs_weight_bytes_kept"] == 1.0 and r["kv_cache_bytes_exact"] is False
     assert r["tpot_vs_best_transformers"] == 0.6 and r["ttft_vs_best_transformers"] == 0.1
     assert r["cold_ready_vs_transformers_build"] is None  # no cold start in this run
+    assert r["tpot_vs_best_transformers_paired"] is None  # nor a paired decode
+    result["tpot_paired"] = paired_summary({"dtype": "float16", "engine_tpot_runs": [60.0, 80.0, 66.0],
+                                            "transformers_tpot_runs": [70.0, 100.0, 60.0]})
+    assert ratios(result)["tpot_vs_best_transformers_paired"] == 0.857  # the per-round ratios' median: 60 / 70
     del result["transformers"]
     assert ratios(result)["tpot_vs_best_transformers"] is None
+
+
+def test_the_paired_summary_takes_the_median_of_the_rounds_ratios():
+    """Each round's ratio compares two runs of the same minute; their median, not the ratio of the medians, is the
+    paired figure."""
+    paired = paired_summary({"dtype": "float16", "engine_tpot_runs": [80.0, 64.0, 66.0],
+                             "transformers_tpot_runs": [84.0, 70.0, 60.0]})
+    assert paired["engine_tpot_ms"] == 66.0 and paired["transformers_tpot_ms"] == 70.0
+    assert paired["ratio_median"] == pytest.approx(80.0 / 84.0)  # rounds: 0.952, 0.914, 1.1
+    assert paired["engine_faster_rounds"] == 2 and paired["rounds"] == 3
 
 
 def test_roofline_json_on_a_tiny_model(tmp_path):

@@ -65,6 +65,7 @@ def refused_before_loading(args, tmp_path, monkeypatch, capsys) -> str:
     (["serve", "--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid:8000"),
     (["bench", "--roofline", "--batch-sweep", "1,2"], "not allowed with argument"),
     (["bench", "--url", "http://127.0.0.1:9"], "--url needs --load RATES"),
+    (["bench", "--paired-rounds", "-1"], "--paired-rounds must be >= 0"),
     (["bench", "--load", "1", "--url", "http://127.0.0.1:9"], "--url http://127.0.0.1:9: no kvbook server answers"),
 ])
 def test_argument_mistakes_are_refused_before_the_model_loads(args, fragment, tmp_path, monkeypatch, capsys):

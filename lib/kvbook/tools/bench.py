@@ -68,6 +68,9 @@ COLD_RUNS = 3
 # plain-read samples of one run this far apart (largest / smallest) get a line beside the memory floor: one VM's
 # read moved between 33 and 54 GB/s from minute to minute (BENCHMARKS.md, AMD EPYC Zen 4, 2026-12-03)
 READ_SPREAD = 1.2
+# rounds of the paired worker (the engine and transformers alternating in one process): 8 rounds of 32 steps take
+# ~50 s for the article's model on a 2-core CPU
+PAIRED_ROUNDS = 8
 
 
 def _spread(values: list[float]) -> dict:
@@ -163,7 +166,9 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
             "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length, "batch_size": batch}
 
 
-def transformers_worker(config: Config, repeats: int, steps: int, peer_dtype: str | None = None) -> dict:
+def _transformers_peer(config: Config, peer_dtype: str | None):
+    """transformers' Qwen3ForCausalLM at the config's shapes, random init -> (build seconds, prefill, decode): prefill()
+    gives (cache, first token, TTFT ms), decode(cache, token, n) the n steps' milliseconds, greedy as the engine."""
     from transformers import DynamicCache, Qwen3ForCausalLM
 
     from ..tokenizer import build_prompt_ids
@@ -178,30 +183,85 @@ def transformers_worker(config: Config, repeats: int, steps: int, peer_dtype: st
     prompt = torch.tensor([build_prompt_ids(config.inference.input_len)], device=device)
 
     @torch.inference_mode()
-    def run(new_tokens: int) -> tuple[float, list[float]]:
+    def prefill():
         cache = DynamicCache(config=hf_cfg)
         synchronize(device)
         started = time.perf_counter()
         logits = model(prompt, cache=cache, logits_to_keep=1).logits  # lm_head on the last position only
         token = logits[:, -1:].float().argmax(-1)  # float32 logits, as generate() takes them (and sampling)
         synchronize(device)
-        ttft = (time.perf_counter() - started) * 1e3
+        return cache, token, (time.perf_counter() - started) * 1e3
+
+    @torch.inference_mode()
+    def decode(cache, token, steps: int) -> list[float]:
         step_ms = []
-        for _ in range(new_tokens - 1):
+        for _ in range(steps):
             started = time.perf_counter()
             token = model(token, cache=cache).logits[:, -1:].float().argmax(-1)
             synchronize(device)
             step_ms.append((time.perf_counter() - started) * 1e3)
-        return ttft, step_ms
+        return step_ms
 
-    run(min(steps, 4) + 1)  # warm-up
+    return build_s, prefill, decode
+
+
+def transformers_worker(config: Config, repeats: int, steps: int, peer_dtype: str | None = None) -> dict:
+    build_s, prefill, decode = _transformers_peer(config, peer_dtype)
+    device = resolve_device(config.inference.device)
+    decode(*prefill()[:2], min(steps, 4))  # warm-up
     ttft, tpot = [], []
     for _ in range(repeats):
-        first, step_ms = run(steps + 1)
+        cache, token, first = prefill()
         ttft.append(first)
-        tpot.append(statistics.fmean(step_ms))
+        tpot.append(statistics.fmean(decode(cache, token, steps)))
     return {"build_s": build_s, "ttft_runs": ttft, "tpot_runs": tpot, **_peak_memory(device),
-            "dtype": str(dtype).removeprefix("torch.")}
+            "dtype": peer_dtype or config.inference.dtype}
+
+
+def paired_worker(config: Config, repeats: int, steps: int, peer_dtype: str) -> dict:
+    """The engine's TPOT and transformers' (in peer_dtype) in one process, alternating (A B, B A, ...) `repeats`
+    times: both see the same minutes of the machine. On a shared virtual machine the speed of the memory moves in
+    phases of tens of seconds that slow both by ~20% (BENCHMARKS.md, AMD EPYC Zen 4, twenty-seventh session), and
+    medians from separate processes can land in different phases. One sequence each (batch 1), decoding from the
+    prompt's prefill every round (transformers' cache is a copy of one prefill: its float16 prefill takes seconds on
+    a CPU)."""
+    import copy
+
+    from ..runtime.engine import Engine
+    from ..tokenizer import build_prompt_ids
+
+    engine = Engine(config, progress=False)
+    prompt = build_prompt_ids(config.inference.input_len)
+    _, prefill, decode = _transformers_peer(config, peer_dtype)
+    prefilled, first_token, _ = prefill()
+
+    def engine_tpot() -> float:
+        return engine.generate(prompt, steps + 1, ignore_eos=True).tpot_ms
+
+    def peer_tpot() -> float:
+        return statistics.fmean(decode(copy.deepcopy(prefilled), first_token, steps))
+
+    engine.generate(prompt, min(steps, 4) + 1, ignore_eos=True)  # warm-ups
+    decode(copy.deepcopy(prefilled), first_token, min(steps, 4))
+    ours, theirs = [], []
+    for r in range(repeats):
+        if r % 2:
+            theirs.append(peer_tpot())
+            ours.append(engine_tpot())
+        else:
+            ours.append(engine_tpot())
+            theirs.append(peer_tpot())
+    return {"dtype": peer_dtype, "engine_tpot_runs": ours, "transformers_tpot_runs": theirs}
+
+
+def paired_summary(paired: dict) -> dict:
+    """The paired worker's runs -> medians, the median of the per-round ratios (engine / transformers) and how many
+    rounds the engine was the faster in."""
+    ours, theirs = paired["engine_tpot_runs"], paired["transformers_tpot_runs"]
+    pair_ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return {**paired, "engine_tpot_ms": statistics.median(ours), "transformers_tpot_ms": statistics.median(theirs),
+            "ratio_median": statistics.median(pair_ratios), "engine_faster_rounds": sum(r < 1 for r in pair_ratios),
+            "rounds": len(pair_ratios)}
 
 
 def roofline_worker(config: Config, repeats: int, steps: int) -> dict:
@@ -212,7 +272,7 @@ def roofline_worker(config: Config, repeats: int, steps: int) -> dict:
 
 
 WORKERS = {"probe": probe_worker, "machine": machine_worker, "engine": engine_worker,
-           "transformers": transformers_worker, "roofline": roofline_worker}
+           "transformers": transformers_worker, "paired": paired_worker, "roofline": roofline_worker}
 
 
 def peer_dtypes(config: Config) -> list[str]:
@@ -254,7 +314,8 @@ def decode_kv_bytes(config: Config, steps: int) -> float:
 
 
 def run_bench(config: Config, config_path: str, overrides: list[str], against: str | None = None,
-              repeats: int = 3, steps: int = 32, cold: bool = True, rounds: int = 2, progress=print) -> dict:
+              repeats: int = 3, steps: int = 32, cold: bool = True, rounds: int = 2,
+              paired_rounds: int = PAIRED_ROUNDS, progress=print) -> dict:
     """With a peer, the engine and the peer (in each of its dtypes) run alternately `rounds` times (A, B, C, A,
     B, C), so that a machine whose speed drifts during the bench weighs on all alike. The cold start (an empty
     weight cache) runs after the first round, like the peer's second build: on memory that the processes before it
@@ -262,13 +323,18 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     again (BENCHMARKS.md), and the first process to ask for gigabytes would pay for it alone. The cold start keeps
     the machine's measured paths (kvbook.runtime.paths): they are measured once per machine, not once per weight file.
     The plain read is measured again after every round and the best kept: on a shared virtual machine the memory's
-    speed drifts with the neighbours, and a floor measured in one slow minute would flatter every ratio."""
+    speed drifts with the neighbours, and a floor measured in one slow minute would flatter every ratio.
+    Last, with a peer and paired_rounds > 0, the engine and the peer's faster decode dtype alternate in one process
+    (paired_worker): TPOT against the peer in the same minutes, reported beside the ratio of the separate medians."""
     rounds = rounds if against else 1
+    paired_rounds = paired_rounds if against else 0
     peers = peer_dtypes(config) if against else []
     stages = ["the machine: plain read and kernels"]
     for r in range(1, rounds + 1):
         stages += [f"engine (weights from the cache), round {r}"] + [f"{against} {d}, round {r}" for d in peers]
         stages += [f"engine (empty cache), {COLD_RUNS} runs"] if cold and r == 1 else []
+    if paired_rounds:
+        stages.append(f"engine and {against} (its faster decode) alternating in one process, {paired_rounds} rounds")
     stage = iter(range(1, len(stages) + 1))
 
     def announce() -> None:
@@ -354,6 +420,10 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         best_ttft = min(by_dtype, key=lambda d: by_dtype[d]["ttft_ms"])
         best_tpot = min(by_dtype, key=lambda d: by_dtype[d]["tpot_ms"])
         best_build = min(by_dtype, key=lambda d: by_dtype[d]["build_s"])
+        if paired_rounds:
+            announce()
+            result["tpot_paired"] = paired_summary(
+                _run_worker(f"paired:{best_tpot}", config_path, overrides, paired_rounds, steps))
         result["transformers_by_dtype"] = by_dtype
         result["transformers"] = {  # the best configuration, per figure
             "ttft_ms": by_dtype[best_ttft]["ttft_ms"], "ttft_dtype": best_ttft,
@@ -490,8 +560,11 @@ def ratios(r: dict) -> dict:
         "peak_memory_vs_weight_bytes_kept": r["peak_memory_mb"] * 2**20 / r["weight_bytes_kept"],
         "kv_cache_bytes_exact": r["kv_cache_bytes"] == r["kv_cache_bytes_formula"],
         "ttft_vs_best_transformers": None, "tpot_vs_best_transformers": None,
+        "tpot_vs_best_transformers_paired": None,
         "ready_vs_transformers_build": None, "cold_ready_vs_transformers_build": None,
     }
+    if "tpot_paired" in r:
+        out["tpot_vs_best_transformers_paired"] = r["tpot_paired"]["ratio_median"]
     if peer:
         out |= {"ttft_vs_best_transformers": r["ttft_ms"] / peer["ttft_ms"],
                 "tpot_vs_best_transformers": r["tpot_ms"] / peer["tpot_ms"],
@@ -552,6 +625,12 @@ def format_table(r: dict) -> str:
     for name, k in r["kernels"].items():
         lines.append(f"  {name:14s} matrix-vector 32768x4096 {k['matvec_gbps']:6.1f}  8 rows {k['rows8_gbps']:6.1f}  "
                      f"256x4096x11008 {k['matmul_gflops']:7.1f}")
+    if "tpot_paired" in r:
+        p = r["tpot_paired"]
+        lines.append(f"TPOT in one process, alternating {p['rounds']} rounds with transformers {p['dtype']}: kvbook "
+                     f"{p['engine_tpot_ms']:.2f} ms, transformers {p['transformers_tpot_ms']:.2f} ms (medians); "
+                     f"per-round ratio median {p['ratio_median']:.3f}, kvbook faster in {p['engine_faster_rounds']} "
+                     f"of {p['rounds']}")
     for d in peers:
         lines.append(f"transformers {d}: TTFT {by_dtype[d]['ttft_vs_compute_floor']:.2f} x compute floor, TPOT "
                      f"{by_dtype[d]['tpot_vs_memory_floor']:.2f} x memory floor")

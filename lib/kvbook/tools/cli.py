@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=32, help="decode steps per run (default: %(default)s)")
     bench.add_argument("--rounds", type=int, default=2,
                        help="with --against: alternate engine and peer this many times (default: %(default)s)")
+    bench.add_argument("--paired-rounds", type=int, default=8,
+                       help="with --against: then decode in one process with the peer, alternating, this many times; "
+                            "0 skips it (default: %(default)s)")
     bench.add_argument("--no-cold", action="store_true", help="skip timing a build into an empty weight cache")
     mode = bench.add_mutually_exclusive_group()  # each "instead" is a bench of its own
     mode.add_argument("--roofline", action="store_true",
@@ -181,6 +184,8 @@ def cmd_bench(config: Config, args) -> None:
 
     if min(args.repeats, args.steps, args.rounds) < 1:
         raise ConfigError("--repeats, --steps and --rounds must be >= 1")
+    if args.paired_rounds < 0:
+        raise ConfigError("--paired-rounds must be >= 0 (0 skips the paired decode)")
     if args.url and not args.load:
         raise ConfigError("--url needs --load RATES (the load bench is the one that sends requests to a server)")
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -222,7 +227,8 @@ def cmd_bench(config: Config, args) -> None:
         print(json.dumps(result) if args.json else format_roofline(result))
         return
     result = run_bench(config, args.config, args.overrides, args.against, args.repeats, args.steps,
-                       cold=not args.no_cold, rounds=args.rounds, progress=progress)
+                       cold=not args.no_cold, rounds=args.rounds, paired_rounds=args.paired_rounds,
+                       progress=progress)
     print(json.dumps(result) if args.json else format_table(result))
 
 
