@@ -645,26 +645,37 @@ KERNEL_MATVEC = (32768, 4096)  # rows x inputs, 256 MiB in float16: far larger t
 KERNEL_MATMUL = (256, 4096, 11008)  # prompt rows x inputs x outputs: one gate_proj of prefill
 
 
-def kernel_table(device: torch.device, dtypes: list[torch.dtype], repeats: int = 5) -> dict:
-    """Per dtype (and FBGEMM's float16 kernel where torch has it, "fbgemm-float16": float32 rows, float16 weights;
-    oneDNN's float32 inner product, "onednn-float32"):
-    a matrix-vector product and 8 rows over 32768 x 4096 (GB/s of the weight read), and a 256 x 4096 x 11008
-    matrix product (GFLOP/s). One random draw serves every kernel (TimingWeights)."""
-    rows_out, width = KERNEL_MATVEC
-    t, k, n = KERNEL_MATMUL
-    weights = TimingWeights(device)
-    weights.weight(max(rows_out, n), width, torch.float32)  # the larger draw first: the product's is its slice
+def kernel_specs(device: torch.device, dtypes: list[torch.dtype]) -> list[tuple[str, torch.dtype, str, int]]:
+    """(label, dtype of the rows, kernel, bytes per weight) of each kernel kernel_table times: each dtype through
+    torch, FBGEMM's float16 kernel where torch has it ("fbgemm-float16": float32 rows, float16 weights) and oneDNN's
+    float32 inner product ("onednn-float32")."""
     kernels = [(dtype_name(d), d, "torch", torch.finfo(d).bits // 8) for d in dtypes]
     if fbgemm_available(device):
         kernels.append((FBGEMM_LABEL, torch.float32, FBGEMM, 2))
     if onednn_available(device) and torch.float32 in dtypes:
         kernels.append((ONEDNN_LABEL, torch.float32, ONEDNN, 4))
+    return kernels
+
+
+def matmul_gflops(device: torch.device, dtype: torch.dtype, kernel: str = "torch", repeats: int = 2,
+                  weights: TimingWeights | None = None) -> float:
+    """GFLOP/s of the KERNEL_MATMUL product (256 x 4096 x 11008) in dtype through kernel, the best of repeats."""
+    t, k, n = KERNEL_MATMUL
+    return 2 * t * k * n / time_linear(t, n, k, dtype, device, repeats, kernel=kernel, weights=weights) / 1e9
+
+
+def kernel_table(device: torch.device, dtypes: list[torch.dtype], repeats: int = 5) -> dict:
+    """Per kernel of kernel_specs: a matrix-vector product and 8 rows over 32768 x 4096 (GB/s of the weight read),
+    and a 256 x 4096 x 11008 matrix product (GFLOP/s). One random draw serves every kernel (TimingWeights)."""
+    rows_out, width = KERNEL_MATVEC
+    weights = TimingWeights(device)
+    # the larger draw first: the product's weight is its slice
+    weights.weight(max(rows_out, KERNEL_MATMUL[2]), width, torch.float32)
     table = {}
-    for name, dtype, kernel, size in kernels:
+    for name, dtype, kernel, size in kernel_specs(device, dtypes):
         weight_bytes = rows_out * width * size
         matvec = [time_linear(rows, rows_out, width, dtype, device, repeats, kernel=kernel, weights=weights)
                   for rows in (1, 8)]
-        matmul = time_linear(t, n, k, dtype, device, max(2, repeats // 2), kernel=kernel, weights=weights)
         table[name] = {"matvec_gbps": weight_bytes / matvec[0] / 1e9, "rows8_gbps": weight_bytes / matvec[1] / 1e9,
-                       "matmul_gflops": 2 * t * k * n / matmul / 1e9}
+                       "matmul_gflops": matmul_gflops(device, dtype, kernel, max(2, repeats // 2), weights)}
     return table

@@ -9,7 +9,9 @@ The floors belong to the machine, not to one kernel:
                  (torch.sum and torch.dot(x, x), BLAS's dot product: the faster; kvbook.runtime.paths.READ_LOOPS)
   compute floor  prefill's FLOPs counted from the shapes (lm_head on the last position only) / the best matrix-
                  product rate of any dtype the engine may compute in on the device (kvbook.runtime.paths.candidates,
-                 and FBGEMM's kernel on float16 weights where torch has it: a batching scheduler computes with it)
+                 and FBGEMM's kernel on float16 weights where torch has it: a batching scheduler computes with it);
+                 the fastest kernel's product is timed again with every later read sample and the best kept, as the
+                 read's: a one-shot probe in a slow minute of a shared VM read half the rate and flattered TTFT 2 x
 
 Each party runs in its own process, so that one's memory and caches do not colour the other's figures:
   machine      the plain read and the kernel table (matrix-vector, 8 rows, a 256-row product per dtype)
@@ -39,7 +41,16 @@ from ..device import TORCH_DTYPES, resolve_device, synchronize
 from ..model.linear import FBGEMM_LABEL, ONEDNN_LABEL, fbgemm_serves
 from ..model.quant import int8_weight_bytes
 from ..model.weights import expected_shapes
-from ..runtime.paths import candidates, cpu_identity, dtype_name, kernel_table, paths_cache_dir, read_bandwidth_gbps
+from ..runtime.paths import (
+    candidates,
+    cpu_identity,
+    dtype_name,
+    kernel_specs,
+    kernel_table,
+    matmul_gflops,
+    paths_cache_dir,
+    read_bandwidth_gbps,
+)
 from .roofline import prefill_flops
 
 
@@ -101,11 +112,17 @@ def _dtype_size(config: Config) -> int:
 
 # ---- workers: each prints one JSON line ---------------------------------------------------------------
 
-def probe_worker(config: Config, repeats: int) -> dict:
-    """The best plain read bandwidth of the engine's device, in GB/s (kvbook.runtime.paths.read_bandwidth_gbps)."""
-    read = read_bandwidth_gbps(resolve_device(config.inference.device), repeats=repeats)
-    return {"probe_gbps": read["read_gbps"], "probe_median_gbps": read["read_median_gbps"],
-            "probe_loop": read["read_loop"]}  # the faster plain read, over 1 GiB of float32
+def probe_worker(config: Config, repeats: int, kernel_label: str | None = None) -> dict:
+    """The best plain read bandwidth of the engine's device, in GB/s (kvbook.runtime.paths.read_bandwidth_gbps),
+    and with kernel_label (one of the kernel table's) the 256-row product's GFLOP/s through that kernel."""
+    device = resolve_device(config.inference.device)
+    read = read_bandwidth_gbps(device, repeats=repeats)
+    probe = {"probe_gbps": read["read_gbps"], "probe_median_gbps": read["read_median_gbps"],
+             "probe_loop": read["read_loop"]}  # the faster plain read, over 1 GiB of float32
+    if kernel_label:
+        _, dtype, kernel, _ = next(k for k in kernel_specs(device, list(KERNEL_DTYPES)) if k[0] == kernel_label)
+        probe["probe_gflops"] = matmul_gflops(device, dtype, kernel, repeats=3)
+    return probe
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -346,6 +363,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     _run_worker("engine", config_path, overrides, 0, 1)  # the weight cache and the paths exist (not timed)
     engine_rounds, peer_rounds, cold_runs = [], {d: [] for d in peers}, []
     reads = [machine["read_gbps"]]
+    products = [machine["peak_gflops"]]  # GFLOP/s of the fastest kernel's 256-row product, sampled with each read
     read_loops = [machine["read_loop"]]  # which plain read streamed fastest in each sample
     for r in range(rounds):
         announce()
@@ -353,9 +371,10 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         for dtype in peers:
             announce()
             peer_rounds[dtype].append(_run_worker(f"transformers:{dtype}", config_path, overrides, repeats, steps))
-        probe = _run_worker("probe", config_path, overrides, 10, 1)
+        probe = _run_worker(f"probe:{machine['peak_gflops_dtype']}", config_path, overrides, 10, 1)
         reads.append(probe["probe_gbps"])
         read_loops.append(probe["probe_loop"])
+        products.append(probe["probe_gflops"])
         if cold and r == 0:
             announce()
             for _ in range(COLD_RUNS):  # each into its own empty cache; the worker exits once the cache is written
@@ -372,7 +391,8 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     read_gbps = max(reads)
     memory_floor_ms = (weights_read + kv_read) / (read_gbps * 1e9) * 1e3
     slowest_read_floor_ms = memory_floor_ms * read_gbps / min(reads)
-    compute_floor_ms = flops / (machine["peak_gflops"] * 1e9) * 1e3
+    peak_gflops = max(products)
+    compute_floor_ms = flops / (peak_gflops * 1e9) * 1e3
     result = {
         "ttft_ms": engine["ttft_ms"], "tpot_ms": engine["tpot_ms"],
         "tokens_per_s": batch * 1e3 / engine["tpot_ms"], "batch_size": batch,
@@ -386,7 +406,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
                    "memory_floor_at_slowest_read_ms": slowest_read_floor_ms,
                    "prefill_flops": flops,
                    "prefill_flops_computed": prefill_flops(config.model, config.inference.input_len, computed=True),
-                   "peak_gflops": machine["peak_gflops"],
+                   "peak_gflops": peak_gflops, "peak_gflops_samples": [round(g, 1) for g in products],
                    "peak_gflops_dtype": machine["peak_gflops_dtype"], "compute_dtypes": machine["compute_dtypes"]},
         "kernels": machine["kernels"], "identity": machine["identity"],
         "paths": engine["paths"], "paths_text": engine["paths_text"],
@@ -617,8 +637,10 @@ def format_table(r: dict) -> str:
         lines.append(note)
     lines.append(f"compute floor {r['compute_floor_ms']:.1f} ms = {f['prefill_flops'] / 1e9:.1f} GFLOP of prefill / "
                  f"{f['peak_gflops']:.0f} GFLOP/s ({f['peak_gflops_dtype']} matrix product, the best of "
-                 f"{', '.join(f['compute_dtypes'])}); the engine computes {f['prefill_flops_computed'] / 1e9:.1f} "
-                 "GFLOP of it (the last layer's queries, attention output and MLP on the last position only)")
+                 f"{', '.join(f['compute_dtypes'])}; the best of samples "
+                 f"{', '.join(f'{g:.0f}' for g in f['peak_gflops_samples'])}); the engine computes "
+                 f"{f['prefill_flops_computed'] / 1e9:.1f} GFLOP of it (the last layer's queries, attention output "
+                 "and MLP on the last position only)")
     lines.append(f"weights kept: {r['weight_bytes_kept'] / 2**20:.0f} MiB (values {r['weight_bytes'] / 2**20:.0f} MiB "
                  "+ arithmetic copies)")
     lines.append("kernels (GB/s of the weight read; GFLOP/s):")
