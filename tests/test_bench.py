@@ -44,8 +44,7 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     result = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--json", "--steps", "2", "--repeats", "1",
                              "--rounds", "1", "--paired-rounds", "3", "--against", "transformers", *TINY],
-                            capture_output=True, text=True,
-                            timeout=600, env=env)
+                            capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout)
     for key in ("ttft_ms", "tpot_ms", "ready_s", "peak_rss_mb", "memory_floor_ms", "compute_floor_ms",
