@@ -81,8 +81,9 @@ COLD_RUNS = 3
 # plain-read samples of one run this far apart (largest / smallest) get a line beside the memory floor: one VM's
 # read moved between 33 and 54 GB/s from minute to minute (BENCHMARKS.md, AMD EPYC Zen 4, 2026-12-03)
 READ_SPREAD = 1.2
-# rounds of the paired worker (the engine and transformers alternating in one process): 8 rounds of 32 steps take
-# ~50 s for the article's model on a 2-core CPU
+# rounds of the paired worker (the engine and transformers alternating in one process): with 8 rounds of 32 steps the
+# article's model's bench went from 4 min 54 s to 6 min 9 s - 6 min 55 s on a 2-core AMD EPYC (BENCHMARKS.md, twenty-
+# seventh session), transformers' build and one float16 prefill included
 PAIRED_ROUNDS = 8
 
 
