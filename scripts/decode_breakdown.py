@@ -4,9 +4,9 @@
 
 For the full model (config.toml plus any --set), in one process: the plain read (kvbook.runtime.paths), the
 engine's decode step after a 256-token prefill (median and best of 12), and the sum of its products alone, each
-matrix with one row in the decode path's dtype (float16 weights: `F.linear` or `torch.mv`, as the decode path
-chose, on the engine's copy; int8 weights: `_weight_int8pack_mm`), the best of 5. Then the products' share of a
-step is what is left to gain outside them.
+matrix with one row in the decode path's dtype (float16 weights: `F.linear` or `torch.mv`, whole or as column
+blocks, as the decode path chose, on the engine's copy; int8 weights: `_weight_int8pack_mm`), the best of 5. Then
+the products' share of a step is what is left to gain outside them.
 BENCHMARKS.md records its figures with the CPU model ("Where a decode step's time goes").
 """
 
@@ -18,12 +18,11 @@ import time
 
 import torch
 from kvbook.config import load_config
-from kvbook.model.linear import linears, matvec
+from kvbook.model.linear import linears, lone_row_product
 from kvbook.model.quant import Int8Linear, int8_matmul
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.paths import best_seconds, cpu_model, read_bandwidth_gbps
 from kvbook.tokenizer import build_prompt_ids
-from torch.nn import functional as F
 
 
 def step_ms(engine: Engine, prompt: list[int], steps: int = 12) -> tuple[float, float]:
@@ -51,8 +50,9 @@ def products_ms(engine: Engine) -> tuple[float, int]:
     for module in linears(engine.model):
         weight = module.weight_in(engine.decode_dtype)
         x = torch.randn(1, module.in_features).to(weight.dtype)  # [1, in]
-        product = matvec if module.lone_row_matvec else F.linear  # the decode path's kernel (kvbook.runtime.paths)
-        total_ms += best_seconds(lambda w=weight, x=x, p=product: p(x, w), engine.device) * 1e3
+        blocks = module.blocks.get(weight.dtype)  # the decode path's kernel and layout (kvbook.runtime.paths)
+        total_ms += best_seconds(lambda m=module, w=weight, x=x, b=blocks: lone_row_product(x, w, b, m.lone_row_matvec),
+                                 engine.device) * 1e3
         total_bytes += weight.nbytes
     return total_ms, total_bytes
 

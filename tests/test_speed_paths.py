@@ -453,6 +453,51 @@ def test_a_layer_marked_for_matvec_multiplies_a_lone_row_through_torch_mv(monkey
     assert torch.equal(layer(row), torch.nn.functional.linear(row[0], copy)[None]) and len(calls) == 1
 
 
+def test_a_lone_row_through_torch_mv_reads_a_split_matrix_block_by_block(monkeypatch):
+    layer = Linear(20000, 16, dtype=torch.float16)
+    layer.weight.data = (torch.randn(16, 20000) * 0.02).half()
+    x = torch.randn(1, 1, 20000).half()  # [batch, rows, in]
+    use_matvec(torch.nn.Sequential(layer), True)
+    whole = layer(x)
+    layer.split_input()
+    blocks = layer.blocks[torch.float16]
+    calls = []
+    real = torch.mv
+    monkeypatch.setattr("kvbook.model.linear.torch.mv", lambda w, v: calls.append(w) or real(w, v))
+    out = layer(x)
+    assert [w.data_ptr() for w in calls] == [b.data_ptr() for b in blocks]  # each block once, not the whole matrix
+    parts = x[0].split(blocks[0].shape[1], dim=-1)
+    assert torch.equal(out[0], sum(real(b, p[0]) for b, p in zip(blocks, parts, strict=True))[None])
+    torch.testing.assert_close(out, whole, atol=2e-3, rtol=1e-2)  # the same product, summed in another order
+    with batch_invariant_rows(2):  # a batched step's rows keep F.linear on the whole matrix
+        assert torch.equal(layer(x[0]), torch.nn.functional.linear(torch.cat([x[0], 0 * x[0]]), layer.weight)[:1])
+    assert len(calls) == len(blocks)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "matvec"])
+def test_down_projs_column_blocks_are_timed_through_the_lone_rows_kernel(monkeypatch, kernel):
+    from kvbook.runtime import paths
+
+    cfg = small_config(dtype="float16").replace(model={"intermediate_size": 9000})  # wider than SPLIT_WIDTH
+    calls = []
+    real_mv, real_linear = torch.mv, torch.nn.functional.linear
+    monkeypatch.setattr("kvbook.model.linear.torch.mv",
+                        lambda w, v: calls.append(("matvec", w.shape[1])) or real_mv(w, v))
+    monkeypatch.setattr("kvbook.model.linear.F.linear",
+                        lambda x, weight: calls.append(("torch", weight.shape[1])) or real_linear(x, weight))
+    plain_ms, split_ms = paths.time_wide_rows(cfg, torch.float16, CPU, kernel=kernel)
+    assert plain_ms > 0 and split_ms > 0
+    assert set(calls) == {(kernel, 9000), (kernel, 4500)}  # whole, and as two blocks, through the kernel asked for
+    assert paths.time_wide_rows(small_config(dtype="float16"), torch.float16, CPU) is None  # nothing that wide
+
+
+def test_int8_steps_read_their_matrices_whole_whatever_the_floating_split():
+    measured = dataclasses.replace(fixed_paths(torch.bfloat16, torch.float16, torch.float16), split_wide_rows=True)
+    int8 = kvbook.runtime.paths.int8_decode_paths(measured, torch.bfloat16)
+    assert int8.split_wide_rows is False and "int8" in int8.split_reason
+    assert "down_proj as column blocks for one row: no (int8 weights" in "\n".join(int8.describe())
+
+
 def test_an_engine_whose_decode_measured_matvec_fastest_sends_every_lone_row_through_it(weight_cache, monkeypatch):
     cfg = small_config(dtype="float16", max_positions=64)
     matvec = Engine(cfg, progress=False, paths=fixed_paths(torch.float32, torch.bfloat16, torch.bfloat16,

@@ -10,10 +10,11 @@ is cast to the weight's. The weight itself keeps the article's float16 values.
 The input always reaches F.linear as a 2-D [rows, in] matrix: some CPUs' F.linear turns a 3-D input such as
 lm_head's [1, 1, in] into a batched matrix product that copies the whole transposed weight first.
 
-A lone row may read a wide matrix (down_proj's 11008 inputs) faster as contiguous column blocks of at most
-SPLIT_WIDTH inputs, on some CPUs; kvbook.runtime.paths measures whether (`split_input`). Or every matrix faster
-through torch's matrix-vector kernel (torch.mv) than through F.linear's matrix product of one row (`matvec`: on an
-Intel Xeon with AMX, bfloat16 weights stream ~20% faster so); kvbook.runtime.paths measures that too.
+A lone row may read every matrix faster through torch's matrix-vector kernel (torch.mv) than through F.linear's
+matrix product of one row (`matvec`: on an Intel Xeon with AMX, bfloat16 weights stream ~20% faster so). And
+through either kernel, a wide matrix (down_proj's 11008 inputs) may read faster as contiguous column blocks of at
+most SPLIT_WIDTH inputs (`split_input`: on an AMD EPYC Zen 4, 1.96 against 3.55 ms for one float16 row, both kernels
+alike; BENCHMARKS.md). kvbook.runtime.paths measures both.
 
 A batched decode step may instead multiply float32 rows by the float16 weight packed for FBGEMM (`pack`), the x86
 library behind torch's quantized CPU operators: its float16 kernel converts the weight to float32 in registers,
@@ -140,12 +141,8 @@ class Linear(nn.Linear):
             weight = self.weight
         if multiple is not None:
             out = padded_rows(x, multiple, partial(product, weight=weight))
-        elif rows == 1 and self.lone_row_matvec and not weight.is_mkldnn:
-            out = matvec(x, weight)
-        elif rows == 1 and weight.dtype in self.blocks:
-            blocks = self.blocks[weight.dtype]
-            parts = x.split(blocks[0].shape[1], dim=-1)
-            out = sum(F.linear(part, block) for part, block in zip(parts, blocks, strict=True))
+        elif rows == 1 and not weight.is_mkldnn and (self.lone_row_matvec or weight.dtype in self.blocks):
+            out = lone_row_product(x, weight, self.blocks.get(weight.dtype), self.lone_row_matvec)
         else:
             out = several_rows_product(x, weight, self.onednn_dtype, rows)
         return out.reshape(*leading, self.out_features)
@@ -164,6 +161,17 @@ def several_rows_product(x: torch.Tensor, weight: torch.Tensor, onednn_dtype: to
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times weight [out, in]: F.linear, or oneDNN's product where the weight is laid out for it."""
     return onednn_linear(x, weight) if weight.is_mkldnn else F.linear(x, weight)
+
+
+def lone_row_product(x: torch.Tensor, weight: torch.Tensor, blocks: list[torch.Tensor] | None = None,
+                     through_matvec: bool = False) -> torch.Tensor:
+    """x [1, in] times weight [out, in] -> [1, out] through a lone row's kernel (torch.mv, or F.linear), on the
+    weight whole or, given its column blocks, on each block, the partial products added."""
+    kernel = matvec if through_matvec else F.linear
+    if not blocks:
+        return kernel(x, weight)
+    parts = x.split(blocks[0].shape[1], dim=-1)  # [1, block width] each
+    return sum(kernel(part, block) for part, block in zip(parts, blocks, strict=True))
 
 
 def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

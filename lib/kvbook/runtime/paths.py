@@ -30,7 +30,9 @@ sooner, so it is timed so and is not a separate candidate (reorders_prefill_copy
 A lone decode step has one more candidate: each dtype's weights multiplied by torch's matrix-vector kernel (torch.mv,
 "matvec-<dtype>") instead of F.linear's matrix product of one row. On an Intel Xeon with AMX, F.linear's bfloat16 row
 goes through oneDNN's matrix product, which streamed the weights ~20% slower than torch.mv; other CPUs are measured as
-they come. Prefill's last position through lm_head is a lone row too, and follows the decode step's choice.
+they come. Prefill's last position through lm_head is a lone row too, and follows the decode step's choice. Through
+the kernel that wins, one row through down_proj (the widest rows) is then timed whole and as column blocks, and the
+faster is kept (`split_wide_rows`).
 
 Not a candidate: a lone row through a loop torch.compile (Inductor) writes. It made a decode step 10-25 ms faster
 than F.linear on an AVX2 CPU, but every process paid ~5 s to import the compiler and load its code, more than the
@@ -53,7 +55,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from ..config import Config
 from ..device import TORCH_DTYPES, synchronize
@@ -66,6 +67,7 @@ from ..model.linear import (
     REORDERED,
     fbgemm_available,
     fbgemm_serves,
+    lone_row_product,
     onednn_available,
     padded_rows,
     product_for,
@@ -75,7 +77,7 @@ from ..model.quant import INT8
 from ..model.weights import cache_dir
 
 PHASES = ("prefill", "decode", "batched_decode")
-PATHS_VERSION = 10  # bump when what is measured changes, so old choices are measured again
+PATHS_VERSION = 11  # bump when what is measured changes, so old choices are measured again
 # a copy of the weights must earn its memory: the weights' own dtype is kept unless another is this much faster
 COPY_MARGIN = 0.10
 MEASURE_ROUNDS = 2  # passes over the candidate dtypes, interleaved
@@ -198,6 +200,8 @@ def int8_decode_paths(paths: ComputePaths, activation_dtype: torch.dtype) -> Com
                                      f"through torch's int8 weight-only kernel, the rest of the step in "
                                      f"{dtype_name(path.dtype)}", kernel=INT8)
     return dataclasses.replace(paths, decode=int8(paths.decode), batched_decode=int8(paths.batched_decode),
+                               split_wide_rows=False,
+                               split_reason="int8 weights: a lone row reads each int8 matrix whole",
                                packed_prefill_rows=0, packed_prefill_reason="int8 weights: nothing is packed")
 
 
@@ -309,18 +313,18 @@ class TimingWeights:
 def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
                 repeats: int = 5, split: int = 0, give_up_s: float = float("inf"), kernel: str = "torch",
                 weights: TimingWeights | None = None) -> float:
-    """Best seconds of F.linear([rows, in], [out, in]) in dtype; split > 0: the weight as column blocks of at
-    most `split` inputs, summed (kvbook.model.linear); kernel FBGEMM: float32 rows times the float16 weight packed
-    (dtype is then float32). A warm-up slower than give_up_s is not repeated (a dtype that has already lost).
+    """Best seconds of F.linear([rows, in], [out, in]) in dtype; kernel FBGEMM: float32 rows times the float16 weight
+    packed (dtype is then float32), MATVEC: one row through torch.mv; split > 0 (one row, F.linear or MATVEC): the
+    weight as column blocks of at most `split` inputs, summed (kvbook.model.linear). A warm-up slower than
+    give_up_s is not repeated (a dtype that has already lost).
     weights: the measurement's random weights, reused between calls (else drawn for this one)."""
     weights = weights or TimingWeights(device)
     x = torch.randn(rows, in_features, device=device).to(dtype)
     if split and in_features > split:
         weight = weights.weight(out_features, in_features, dtype)
         blocks = [b.contiguous() for b in weight.chunk(-(-in_features // split), dim=1)]
-        parts = x.split(blocks[0].shape[1], dim=1)
         def run():
-            return sum(F.linear(p, b) for p, b in zip(parts, blocks, strict=True))
+            return lone_row_product(x, weight, blocks, through_matvec=kernel == MATVEC)
     else:
         product = weights.product(out_features, in_features, dtype, kernel)
         def run():
@@ -406,17 +410,22 @@ def estimate_prefill_ms(config: Config, rows: int, dtype: torch.dtype, device: t
     return seconds * scale * 1e3
 
 
-def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device,
-                   weights: TimingWeights | None = None) -> tuple[float, float] | None:
-    """One row through down_proj's shape, as one matrix and as column blocks (kvbook.model.linear.SPLIT_WIDTH wide):
-    (plain ms, split ms), or None when no matrix is that wide."""
+def time_wide_rows(config: Config, dtype: torch.dtype, device: torch.device, weights: TimingWeights | None = None,
+                   kernel: str = "torch") -> tuple[float, float] | None:
+    """One row through down_proj's shape and a lone row's kernel (F.linear, or MATVEC), as one matrix and as column
+    blocks (kvbook.model.linear.SPLIT_WIDTH wide), interleaved: (plain ms, split ms), the best of each, or None when
+    no matrix is that wide."""
     from ..model.linear import SPLIT_WIDTH
 
     m = config.model
     if m.intermediate_size <= SPLIT_WIDTH:
         return None
-    plain = time_linear(1, m.hidden_size, m.intermediate_size, dtype, device, weights=weights)
-    split = time_linear(1, m.hidden_size, m.intermediate_size, dtype, device, split=SPLIT_WIDTH, weights=weights)
+    plain, split = float("inf"), float("inf")
+    for _ in range(MEASURE_ROUNDS):
+        plain = min(plain, time_linear(1, m.hidden_size, m.intermediate_size, dtype, device, weights=weights,
+                                       kernel=kernel))
+        split = min(split, time_linear(1, m.hidden_size, m.intermediate_size, dtype, device, split=SPLIT_WIDTH,
+                                       weights=weights, kernel=kernel))
     return plain * 1e3, split * 1e3
 
 
@@ -511,11 +520,11 @@ def _measure_paths(config: Config, device: torch.device) -> ComputePaths:
         chosen[phase] = PhasePath(dtype, f"measured, {what}: {_summary(estimates)}{note}",
                                   {k: round(v, 3) for k, v in estimates.items()}, kernel)
     split, split_reason = False, "no matrix is wider than the split width"
-    if chosen["decode"].kernel == MATVEC:
-        split_reason = "a lone row goes through torch.mv, which reads each matrix whole"
-    elif (wide := time_wide_rows(config, chosen["decode"].dtype, device, timing)) is not None:
+    decode = chosen["decode"]
+    if (wide := time_wide_rows(config, decode.dtype, device, timing, decode.kernel)) is not None:
         split = wide[1] < wide[0]
-        split_reason = f"measured, one row through down_proj: as blocks {wide[1]:.2f} ms, whole {wide[0]:.2f} ms"
+        split_reason = (f"measured, one row through down_proj, {decode.label}: as blocks {wide[1]:.2f} ms, "
+                        f"whole {wide[0]:.2f} ms")
     batched = chosen["batched_decode"]
     multiple, multiple_reason = invariant_row_multiple(config, batched.dtype, device, batch_rows, batched.kernel)
     packed_rows, packed_reason = 0, "the batched step does not pack its weights"
