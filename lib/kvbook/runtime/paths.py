@@ -14,7 +14,9 @@ of mantissa (a numeric choice, stated wherever the path is printed). Copies cost
 A batched decode step has one more candidate on an x86 CPU: float32 rows times the float16 weights packed for FBGEMM
 (kvbook.model.linear; the kernel "fbgemm", shown as "fbgemm-float16"). It computes in float32 like a float32 copy but
 reads 2 bytes per weight. Packing takes seconds for the article's model, so only the batched step, which a
-long-running server or batch job builds once, is offered it; a lone step and prefill are built with every engine.
+long-running server or batch job builds once, is offered it; a lone step and prefill are built with every engine
+(on an AMD EPYC Zen 4 a lone step through the packed weights took 0.72 x the time, but packing took 7.8 s of every
+process, more than a 128-token generation saves; BENCHMARKS.md, twenty-eighth session).
 Once a batching scheduler has the packed weights, its prefill may use them too: on some CPUs float32's product
 of a few prompt rows is several times slower than FBGEMM's (a 20-token chat prompt), so the measurement also
 finds up to how many prompt rows FBGEMM beats prefill's own path (`packed_prefill_rows`; 0: never).
