@@ -117,10 +117,9 @@ class Linear(nn.Linear):
         in that dtype reads the blocks instead."""
         dtype = dtype or self.weight.dtype
         weight = self.weight_in(dtype)
-        count = -(-self.in_features // max_width)
         # a shared model is split once; a copy laid out for oneDNN is prefill's, never a lone row's
-        if weight is not None and not weight.is_mkldnn and count > 1 and dtype not in self.blocks:
-            self.blocks[dtype] = [block.contiguous() for block in weight.chunk(count, dim=1)]
+        if weight is not None and not weight.is_mkldnn and self.in_features > max_width and dtype not in self.blocks:
+            self.blocks[dtype] = column_blocks(weight, max_width)
 
     def pack(self) -> None:
         """Keep the weight packed for FBGEMM too: a batched step's float32 rows are then multiplied by it."""
@@ -161,6 +160,11 @@ def several_rows_product(x: torch.Tensor, weight: torch.Tensor, onednn_dtype: to
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times weight [out, in]: F.linear, or oneDNN's product where the weight is laid out for it."""
     return onednn_linear(x, weight) if weight.is_mkldnn else F.linear(x, weight)
+
+
+def column_blocks(weight: torch.Tensor, max_width: int = SPLIT_WIDTH) -> list[torch.Tensor]:
+    """weight [out, in] -> contiguous copies of its columns in as few equal blocks as keep each at most max_width."""
+    return [block.contiguous() for block in weight.chunk(-(-weight.shape[1] // max_width), dim=1)]
 
 
 def lone_row_product(x: torch.Tensor, weight: torch.Tensor, blocks: list[torch.Tensor] | None = None,

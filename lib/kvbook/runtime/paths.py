@@ -67,6 +67,7 @@ from ..model.linear import (
     ONEDNN,
     ONEDNN_LABEL,
     REORDERED,
+    column_blocks,
     fbgemm_available,
     fbgemm_serves,
     lone_row_product,
@@ -324,7 +325,7 @@ def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dty
     x = torch.randn(rows, in_features, device=device).to(dtype)
     if split and in_features > split:
         weight = weights.weight(out_features, in_features, dtype)
-        blocks = [b.contiguous() for b in weight.chunk(-(-in_features // split), dim=1)]
+        blocks = column_blocks(weight, split)
         def run():
             return lone_row_product(x, weight, blocks, through_matvec=kernel == MATVEC)
     else:
