@@ -93,6 +93,11 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
     assert len(paired["engine_tpot_runs"]) == len(paired["transformers_tpot_runs"]) == 3
     assert all(t > 0 for t in paired["engine_tpot_runs"] + paired["transformers_tpot_runs"])
     assert ratios["tpot_vs_best_transformers_paired"] == round(paired["ratio_median"], 3)
+    # each engine run has a plain read beside it, and its floor is that read's
+    assert len(paired["read_gbps_runs"]) == 3 and all(g > 0 for g in paired["read_gbps_runs"])
+    assert paired["engine_vs_round_floor_runs"] == pytest.approx(
+        [t / ((floors["decode_weight_bytes"] + floors["decode_kv_bytes"]) / g / 1e6)
+         for t, g in zip(paired["engine_tpot_runs"], paired["read_gbps_runs"], strict=True)])
     assert "kvbook bench: [6/6] engine and transformers (its faster decode) alternating" in result.stderr
     assert out["paths"]["decode"]["label"] == out["decode_dtype"] and len(out["paths_text"]) == 6
     assert out["paths"]["prefill"]["label"] == out["prefill_dtype"]  # the kernel too, as the other phases' labels
@@ -131,7 +136,8 @@ def test_ratios_against_floors_and_the_best_peer():
     assert r["cold_ready_vs_transformers_build"] is None  # no cold start in this run
     assert r["tpot_vs_best_transformers_paired"] is None  # nor a paired decode
     result["tpot_paired"] = paired_summary({"dtype": "float16", "engine_tpot_runs": [60.0, 80.0, 66.0],
-                                            "transformers_tpot_runs": [70.0, 100.0, 60.0]})
+                                            "transformers_tpot_runs": [70.0, 100.0, 60.0],
+                                            "read_gbps_runs": [50.0, 50.0, 50.0]}, 2.5e9)
     assert ratios(result)["tpot_vs_best_transformers_paired"] == 0.857  # the per-round ratios' median: 60 / 70
     del result["transformers"]
     assert ratios(result)["tpot_vs_best_transformers"] is None
@@ -141,10 +147,22 @@ def test_the_paired_summary_takes_the_median_of_the_rounds_ratios():
     """Each round's ratio compares two runs of the same minute; their median, not the ratio of the medians, is the
     paired figure."""
     paired = paired_summary({"dtype": "float16", "engine_tpot_runs": [80.0, 64.0, 66.0],
-                             "transformers_tpot_runs": [84.0, 70.0, 60.0]})
+                             "transformers_tpot_runs": [84.0, 70.0, 60.0], "read_gbps_runs": [25.0, 50.0, 40.0]},
+                            2.0e9)
     assert paired["engine_tpot_ms"] == 66.0 and paired["transformers_tpot_ms"] == 70.0
     assert paired["ratio_median"] == pytest.approx(80.0 / 84.0)  # rounds: 0.952, 0.914, 1.1
     assert paired["engine_faster_rounds"] == 2 and paired["rounds"] == 3
+
+
+def test_the_paired_summary_weighs_each_round_against_its_own_read():
+    """A round whose plain read was slow has a higher floor: the engine's TPOT is weighed against the floor of its
+    own minutes, not the best minute's."""
+    paired = paired_summary({"dtype": "float16", "engine_tpot_runs": [80.0, 64.0, 66.0],
+                             "transformers_tpot_runs": [84.0, 70.0, 60.0], "read_gbps_runs": [25.0, 50.0, 40.0]},
+                            2.0e9)
+    assert paired["memory_floor_ms_runs"] == pytest.approx([80.0, 40.0, 50.0])  # 2 GB at 25, 50, 40 GB/s
+    assert paired["engine_vs_round_floor_runs"] == pytest.approx([1.0, 1.6, 1.32])
+    assert paired["engine_vs_round_floor_median"] == pytest.approx(1.32)
 
 
 def test_roofline_json_on_a_tiny_model(tmp_path):

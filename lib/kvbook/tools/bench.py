@@ -244,7 +244,9 @@ def paired_worker(config: Config, repeats: int, steps: int, peer_dtype: str) -> 
     phases of tens of seconds that slow both by ~20% (BENCHMARKS.md, AMD EPYC Zen 4, twenty-seventh session), and
     medians from separate processes can land in different phases. One sequence each (batch 1), decoding from the
     prompt's prefill every round (transformers' cache is a copy of one prefill: its float16 prefill takes seconds on
-    a CPU)."""
+    a CPU). A plain read just before and just after the engine's run of each round gives the floor of that round's
+    minutes (the faster of the two): the engine's TPOT against it tells a kernel that streams slower than the memory
+    from memory that is slower than its best minute."""
     import copy
 
     from ..runtime.engine import Engine
@@ -261,27 +263,38 @@ def paired_worker(config: Config, repeats: int, steps: int, peer_dtype: str) -> 
     def peer_tpot() -> float:
         return statistics.fmean(decode(copy.deepcopy(prefilled), first_token, steps))
 
+    def engine_tpot_and_read() -> tuple[float, float]:
+        before = read_bandwidth_gbps(engine.device, repeats=2)["read_gbps"]
+        tpot = engine_tpot()
+        return tpot, max(before, read_bandwidth_gbps(engine.device, repeats=2)["read_gbps"])
+
     engine.generate(prompt, min(steps, 4) + 1, ignore_eos=True)  # warm-ups
     decode(copy.deepcopy(prefilled), first_token, min(steps, 4))
-    ours, theirs = [], []
+    ours, theirs, reads = [], [], []
     for r in range(repeats):
         if r % 2:
             theirs.append(peer_tpot())
-            ours.append(engine_tpot())
+            tpot, read = engine_tpot_and_read()
         else:
-            ours.append(engine_tpot())
+            tpot, read = engine_tpot_and_read()
             theirs.append(peer_tpot())
-    return {"dtype": peer_dtype, "engine_tpot_runs": ours, "transformers_tpot_runs": theirs}
+        ours.append(tpot)
+        reads.append(read)
+    return {"dtype": peer_dtype, "engine_tpot_runs": ours, "transformers_tpot_runs": theirs, "read_gbps_runs": reads}
 
 
-def paired_summary(paired: dict) -> dict:
-    """The paired worker's runs -> medians, the median of the per-round ratios (engine / transformers) and how many
-    rounds the engine was the faster in."""
+def paired_summary(paired: dict, floor_bytes: float) -> dict:
+    """The paired worker's runs -> medians, the median of the per-round ratios (engine / transformers), how many
+    rounds the engine was the faster in, and the engine's TPOT against the memory floor of each round's own plain
+    read (floor_bytes: what a decode step must read), with their median."""
     ours, theirs = paired["engine_tpot_runs"], paired["transformers_tpot_runs"]
     pair_ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    floors_ms = [floor_bytes / (gbps * 1e9) * 1e3 for gbps in paired["read_gbps_runs"]]
+    vs_floor = [tpot / floor for tpot, floor in zip(ours, floors_ms, strict=True)]
     return {**paired, "engine_tpot_ms": statistics.median(ours), "transformers_tpot_ms": statistics.median(theirs),
             "ratio_median": statistics.median(pair_ratios), "engine_faster_rounds": sum(r < 1 for r in pair_ratios),
-            "rounds": len(pair_ratios)}
+            "rounds": len(pair_ratios), "memory_floor_ms_runs": floors_ms, "engine_vs_round_floor_runs": vs_floor,
+            "engine_vs_round_floor_median": statistics.median(vs_floor)}
 
 
 def roofline_worker(config: Config, repeats: int, steps: int) -> dict:
@@ -445,8 +458,8 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         best_build = min(by_dtype, key=lambda d: by_dtype[d]["build_s"])
         if paired_rounds:
             announce()
-            result["tpot_paired"] = paired_summary(
-                _run_worker(f"paired:{best_tpot}", config_path, overrides, paired_rounds, steps))
+            paired = _run_worker(f"paired:{best_tpot}", config_path, overrides, paired_rounds, steps)
+            result["tpot_paired"] = paired_summary(paired, weights_read + kv_read)
         result["transformers_by_dtype"] = by_dtype
         result["transformers"] = {  # the best configuration, per figure
             "ttft_ms": by_dtype[best_ttft]["ttft_ms"], "ttft_dtype": best_ttft,
@@ -656,6 +669,10 @@ def format_table(r: dict) -> str:
                      f"{p['engine_tpot_ms']:.2f} ms, transformers {p['transformers_tpot_ms']:.2f} ms (medians); "
                      f"per-round ratio median {p['ratio_median']:.3f}, kvbook faster in {p['engine_faster_rounds']} "
                      f"of {p['rounds']}")
+        lines.append(f"  kvbook's TPOT / the memory floor at the plain read beside it, per round: "
+                     f"{', '.join(f'{v:.2f}' for v in p['engine_vs_round_floor_runs'])} (reads "
+                     f"{', '.join(f'{g:.1f}' for g in p['read_gbps_runs'])} GB/s); median "
+                     f"{p['engine_vs_round_floor_median']:.2f}")
     for d in peers:
         lines.append(f"transformers {d}: TTFT {by_dtype[d]['ttft_vs_compute_floor']:.2f} x compute floor, TPOT "
                      f"{by_dtype[d]['tpot_vs_memory_floor']:.2f} x memory floor")
