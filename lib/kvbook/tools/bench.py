@@ -19,7 +19,8 @@ Each party runs in its own process, so that one's memory and caches do not colou
   transformers Qwen3ForCausalLM built from a Qwen3Config, random init, prefill then step-by-step decode, in the
                config's dtype and in bfloat16
 and last, on purpose in one process (TPOT only; --paired-rounds):
-  paired       the engine and transformers' faster decode dtype, alternating, so that both meet the same minutes
+  paired       the engine and transformers' faster decode dtype, alternating, so that both meet the same minutes,
+               with a plain read beside each of the engine's runs: its TPOT against the floor of its own minutes
 """
 
 from __future__ import annotations
