@@ -25,7 +25,7 @@ from kvbook.config import load_config
 from kvbook.model.linear import FBGEMM, linears, lone_row_product
 from kvbook.model.quant import Int8Linear, int8_matmul
 from kvbook.runtime.engine import Engine
-from kvbook.runtime.paths import best_seconds, cpu_model, read_bandwidth_gbps
+from kvbook.runtime.paths import best_seconds, cpu_model, read_around
 from kvbook.tokenizer import build_prompt_ids
 
 
@@ -79,10 +79,10 @@ def main() -> None:
         engine.prepare_batched_decode()
         print(f"packed the weights for FBGEMM in {time.perf_counter() - started:.1f} s")
     for _ in range(args.rounds):
-        before = read_bandwidth_gbps(engine.device, repeats=3)["read_gbps"]
-        median, best = step_ms(engine, prompt)
-        packed_median = step_ms(engine, prompt, batched=True)[0] if packed else None
-        read = max(before, read_bandwidth_gbps(engine.device, repeats=3)["read_gbps"])
+        def steps():
+            return step_ms(engine, prompt), step_ms(engine, prompt, batched=True)[0] if packed else None
+
+        ((median, best), packed_median), read = read_around(engine.device, steps, repeats=3)
         alone, nbytes = products_ms(engine)
         floor = nbytes / read / 1e6  # ms
         print(f"plain read {read:.1f} GB/s (floor {floor:.1f} ms) | step median {median:.1f} ms "

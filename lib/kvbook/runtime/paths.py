@@ -653,6 +653,14 @@ def read_bandwidth_gbps(device: torch.device, gib: float = 1.0, repeats: int = 1
             "read_loops_gbps": {name: round(nbytes / min(t) / 1e9, 2) for name, t in times.items()}}
 
 
+def read_around(device: torch.device, run, repeats: int = 2) -> tuple:
+    """(run(), GB/s): run between two plain reads, and the faster of them, the memory's speed in run's minutes (on a
+    shared virtual machine it moves in phases; BENCHMARKS.md, AMD EPYC Zen 4, twenty-ninth session)."""
+    before = read_bandwidth_gbps(device, repeats=repeats)["read_gbps"]
+    result = run()
+    return result, max(before, read_bandwidth_gbps(device, repeats=repeats)["read_gbps"])
+
+
 KERNEL_MATVEC = (32768, 4096)  # rows x inputs, 256 MiB in float16: far larger than any cache
 KERNEL_MATMUL = (256, 4096, 11008)  # prompt rows x inputs x outputs: one gate_proj of prefill
 

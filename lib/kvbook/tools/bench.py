@@ -52,6 +52,7 @@ from ..runtime.paths import (
     kernel_table,
     matmul_gflops,
     paths_cache_dir,
+    read_around,
     read_bandwidth_gbps,
 )
 from .roofline import prefill_flops
@@ -264,20 +265,15 @@ def paired_worker(config: Config, repeats: int, steps: int, peer_dtype: str) -> 
     def peer_tpot() -> float:
         return statistics.fmean(decode(copy.deepcopy(prefilled), first_token, steps))
 
-    def engine_tpot_and_read() -> tuple[float, float]:
-        before = read_bandwidth_gbps(engine.device, repeats=2)["read_gbps"]
-        tpot = engine_tpot()
-        return tpot, max(before, read_bandwidth_gbps(engine.device, repeats=2)["read_gbps"])
-
     engine.generate(prompt, min(steps, 4) + 1, ignore_eos=True)  # warm-ups
     decode(copy.deepcopy(prefilled), first_token, min(steps, 4))
     ours, theirs, reads = [], [], []
     for r in range(repeats):
         if r % 2:
             theirs.append(peer_tpot())
-            tpot, read = engine_tpot_and_read()
+            tpot, read = read_around(engine.device, engine_tpot)
         else:
-            tpot, read = engine_tpot_and_read()
+            tpot, read = read_around(engine.device, engine_tpot)
             theirs.append(peer_tpot())
         ours.append(tpot)
         reads.append(read)
