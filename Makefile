@@ -27,9 +27,9 @@ lint: $(STAMP)
 # nbval compares only what no device's rounding can change (tests/nbval_sanitize.cfg says what it masks). To
 # show that on every CI run, the chapters that print greedy tokens run a second time under other CPU kernels on
 # the same machine, which round as another CPU's would. On an AVX-512 machine: torch's kernels at AVX2 width and
-# oneDNN limited to AVX2. On an AVX2-only machine (AMD EPYC Zen 3) scripts/kernel_rounding.py shows that
-# oneDNN's and MKL's limits change no result, while torch's non-vectorised kernels (ATEN_CPU_CAPABILITY=default)
-# change every op the model uses: that is the smallest setting that still exercises other kernels there.
+# oneDNN limited to AVX2. On an AVX2-only machine oneDNN's and MKL's limits change no result (measured once; git
+# history has the script), while torch's non-vectorised kernels (ATEN_CPU_CAPABILITY=default) change every op the
+# model uses: that is the smallest setting that still exercises other kernels there.
 OTHER_KERNELS_WIDE := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 OTHER_KERNELS_NARROW := ATEN_CPU_CAPABILITY=default
 OTHER_KERNELS := $(if $(shell grep -m1 -ow avx512f /proc/cpuinfo 2>/dev/null),$(OTHER_KERNELS_WIDE),$(OTHER_KERNELS_NARROW))

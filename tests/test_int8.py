@@ -1,7 +1,7 @@
 """int8 weights and a quantized KV cache (kvbook.model.quant): the int8 path against a dequantized reference, the int8
 and float8 caches against a float one, the pool that holds about twice the positions for the same memory, and the
 errors that name the key. Small float32 configs; what quantization costs on the full model is measured by
-scripts/quant_cost.py and recorded in BENCHMARKS.md, not asserted here."""
+kvbook.tools.quant_cost (chapter 12) and recorded in BENCHMARKS.md, not asserted here."""
 
 import copy
 
