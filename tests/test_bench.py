@@ -68,6 +68,10 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
     assert out["memory_floor_ms"] == pytest.approx(
         (floors["decode_weight_bytes"] + floors["decode_kv_bytes"]) / floors["read_gbps"] / 1e6)
     assert out["compute_floor_ms"] == pytest.approx(floors["prefill_flops"] / floors["peak_gflops"] / 1e6)
+    # the floor counts the work the engine must do, not every position's last layer (issue 51)
+    tiny = load_config("config.toml", TINY_SETTINGS)
+    assert floors["prefill_flops"] == prefill_flops(tiny.model, tiny.inference.input_len, computed=True)
+    assert floors["prefill_flops_every_position"] == prefill_flops(tiny.model, tiny.inference.input_len)
     # the fastest kernel's product, sampled before the runs and with the read after the round: the best sets it
     assert floors["peak_gflops_samples"][0] == pytest.approx(
         max(out["kernels"][d]["matmul_gflops"] for d in floors["compute_dtypes"]), abs=0.1)

@@ -7,7 +7,8 @@ The floors belong to the machine, not to one kernel:
   memory floor   the bytes a decode step must read (the weights as stored, the embedding's one row, and the K/V
                  cache at the run's mean position) / the best plain streaming read over 1 GiB of float32
                  (torch.sum and torch.dot(x, x), BLAS's dot product: the faster; kvbook.runtime.paths.READ_LOOPS)
-  compute floor  prefill's FLOPs counted from the shapes (lm_head on the last position only) / the best matrix-
+  compute floor  the FLOPs prefill must compute, counted from the shapes as the engine computes them (the last
+                 layer's queries, attention and MLP and lm_head on the last position only) / the best matrix-
                  product rate of any dtype the engine may compute in on the device (kvbook.runtime.paths.candidates,
                  and FBGEMM's kernel on float16 weights where torch has it: a batching scheduler computes with it);
                  the fastest kernel's product is timed again with every later read sample and the best kept, as the
@@ -400,7 +401,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     batch = engine["batch_size"]
     weights_read = decode_weight_bytes(config)
     kv_read = decode_kv_bytes(config, steps) * batch
-    flops = prefill_flops(config.model, config.inference.input_len)
+    flops = prefill_flops(config.model, config.inference.input_len, computed=True)  # the work a prefill must do
     read_gbps = max(reads)
     memory_floor_ms = (weights_read + kv_read) / (read_gbps * 1e9) * 1e3
     slowest_read_floor_ms = memory_floor_ms * read_gbps / min(reads)
@@ -418,7 +419,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
                    "read_median_gbps": machine["read_median_gbps"],
                    "memory_floor_at_slowest_read_ms": slowest_read_floor_ms,
                    "prefill_flops": flops,
-                   "prefill_flops_computed": prefill_flops(config.model, config.inference.input_len, computed=True),
+                   "prefill_flops_every_position": prefill_flops(config.model, config.inference.input_len),
                    "peak_gflops": peak_gflops, "peak_gflops_samples": [round(g, 1) for g in products],
                    "peak_gflops_dtype": machine["peak_gflops_dtype"], "compute_dtypes": machine["compute_dtypes"]},
         "kernels": machine["kernels"], "identity": machine["identity"],
@@ -651,9 +652,9 @@ def format_table(r: dict) -> str:
     lines.append(f"compute floor {r['compute_floor_ms']:.1f} ms = {f['prefill_flops'] / 1e9:.1f} GFLOP of prefill / "
                  f"{f['peak_gflops']:.0f} GFLOP/s ({f['peak_gflops_dtype']} matrix product, the best of "
                  f"{', '.join(f['compute_dtypes'])}; the best of samples "
-                 f"{', '.join(f'{g:.0f}' for g in f['peak_gflops_samples'])}); the engine computes "
-                 f"{f['prefill_flops_computed'] / 1e9:.1f} GFLOP of it (the last layer's queries, attention output "
-                 "and MLP on the last position only)")
+                 f"{', '.join(f'{g:.0f}' for g in f['peak_gflops_samples'])}): what the engine computes (the last "
+                 "layer's queries, attention output and MLP on the last position only; every position there would be "
+                 f"{f['prefill_flops_every_position'] / 1e9:.1f} GFLOP)")
     lines.append(f"weights kept: {r['weight_bytes_kept'] / 2**20:.0f} MiB (values {r['weight_bytes'] / 2**20:.0f} MiB "
                  "+ arithmetic copies)")
     lines.append("kernels (GB/s of the weight read; GFLOP/s):")
