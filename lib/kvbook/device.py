@@ -37,8 +37,8 @@ def keep_freed_memory() -> bool:
     By default glibc gives a freed block of more than 128 KiB (a threshold that grows up to 32 MiB as it goes)
     back to the OS, and trims the heap's free top; the next tensor of that size then faults its pages in again,
     zeroed by the kernel. A prefill allocates and frees tens of MB of activations per layer, so a 256-token prefill
-    of the article's model took 15,000-34,000 page faults, and on a virtual machine each costs microseconds: its
-    attention took 33-39 ms per layer against 8-14 ms with this setting (Intel Xeon with AMX; BENCHMARKS.md). Here
+    of the article's model took tens of thousands of page faults, and on a virtual machine each costs microseconds:
+    its attention took several times longer than with this setting (BENCHMARKS.md). Here
     blocks up to 32 MiB come from the heap and up to FREE_HEAP_KEPT of its free memory stays mapped; larger
     tensors (the weights) are mapped as before. Process-wide, like enable_huge_pages; called by Engine."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":

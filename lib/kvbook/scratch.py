@@ -3,8 +3,8 @@
 A tensor of more than 32 MiB does not come from the heap that kvbook.device.keep_freed_memory keeps: the C
 allocator maps it as fresh pages, each faulted in (and zeroed by the kernel) on its first write. Users: attention's
 float32 copies of K and V (kvbook.model.attention.float32_copy) and the paged cache's gather through the block table
-(kvbook.cache.paged), twice a layer on every step. At 4064 cached positions a paged decode step took 226 ms with fresh
-gathers and 159 ms with these (BENCHMARKS.md, "twenty-first session"). Told in chapter 11 and the appendix
+(kvbook.cache.paged), twice a layer on every step: at thousands of cached positions fresh pages cost a paged decode
+step a large share of its time (BENCHMARKS.md). Told in chapter 11 and the appendix
 ("Making it fast on a CPU").
 
 A tensor from here is valid until the next call for the same slot on the same thread. The memory is kept, per slot

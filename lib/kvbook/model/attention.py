@@ -21,8 +21,8 @@ from .norm import RMSNorm
 from .probe import Probe
 from .rope import ApplyRope
 
-# positions of K and V converted to float32 at a time: [1, 32, 512, 128] float32 is 8 MiB (BENCHMARKS.md, "twenty-first
-# session": at 4064 positions one layer's decode attention took 15-18 ms with a whole copy, 8-10 ms in blocks of 512)
+# positions of K and V converted to float32 at a time: [1, 32, 512, 128] float32 is 8 MiB, small enough to stay in
+# the processor's cache at long contexts (BENCHMARKS.md)
 KV_BLOCK = 512
 
 

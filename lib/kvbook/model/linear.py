@@ -11,10 +11,9 @@ The input always reaches F.linear as a 2-D [rows, in] matrix: some CPUs' F.linea
 lm_head's [1, 1, in] into a batched matrix product that copies the whole transposed weight first.
 
 A lone row may read every matrix faster through torch's matrix-vector kernel (torch.mv) than through F.linear's
-matrix product of one row (`matvec`: on an Intel Xeon with AMX, bfloat16 weights stream ~20% faster so). And
-through either kernel, a wide matrix (down_proj's 11008 inputs) may read faster as contiguous column blocks of at
-most SPLIT_WIDTH inputs (`split_input`: on an AMD EPYC Zen 4, 1.96 against 3.55 ms for one float16 row, both kernels
-alike; BENCHMARKS.md). kvbook.runtime.paths measures both.
+matrix product of one row (`matvec`). And through either kernel, a wide matrix (down_proj's 11008 inputs) may read
+faster as contiguous column blocks of at most SPLIT_WIDTH inputs (`split_input`). Which CPUs gain is in
+BENCHMARKS.md; kvbook.runtime.paths measures both.
 
 A batched decode step may instead multiply float32 rows by the float16 weight packed for FBGEMM (`pack`), the x86
 library behind torch's quantized CPU operators: its float16 kernel converts the weight to float32 in registers,
@@ -52,8 +51,8 @@ from torch import nn
 from torch.nn import functional as F
 
 SPLIT_WIDTH = 8192  # column blocks of a split matrix are at most this wide
-# FBGEMM packs a matrix as blocks of at most this many rows: its packing costs ~10 ns per weight up to 4096 rows and
-# grows with more (39 ns at 32768 rows, AMD EPYC Zen 3; BENCHMARKS.md)
+# FBGEMM packs a matrix as blocks of at most this many rows: its packing costs more per weight for taller blocks
+# (BENCHMARKS.md)
 PACK_ROWS = 4096
 FBGEMM = "fbgemm"  # the kernel name kvbook.runtime.paths gives a phase that multiplies packed weights
 FBGEMM_LABEL = "fbgemm-float16"  # how that phase is shown: float32 rows, float16 weights packed for FBGEMM
@@ -199,7 +198,7 @@ def reorder_for_onednn(weight: torch.Tensor) -> torch.Tensor:
 @cache
 def reorder_keeps_numbers(dtype: torch.dtype) -> bool:
     """Whether oneDNN's product on a weight reordered once gives F.linear's numbers bit for bit in dtype on this CPU,
-    for 1 to 256 rows: true where F.linear is that same product (bfloat16 on an AMD EPYC Zen 5)."""
+    for 1 to 256 rows: true where F.linear is that same product (bfloat16 on some CPUs: BENCHMARKS.md)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:

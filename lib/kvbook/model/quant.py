@@ -37,7 +37,7 @@ INT8 = "int8"  # the kernel name kvbook.runtime.paths gives a decode phase that 
 # a decode step of up to this many sequences reads the int8 weights; more rows (prefill) use the floating path
 DECODE_ROWS = 16
 # bytes: where the int8 kernel's matrix must start. It crashed (a segmentation fault, not an error) for 2 to 16 rows on
-# a matrix mapped from a safetensors file, which starts wherever the file's header ends (AMD EPYC Zen 5); the cached
+# a matrix mapped from a safetensors file, which starts wherever the file's header ends (BENCHMARKS.md); the cached
 # matrices are read into torch's own allocations, which are aligned (kvbook.model.weights.read_tensors)
 KERNEL_ALIGNMENT = 64
 # weights quantized at a time: the float32 temporaries of a chunk (4 MiB) stay in a CPU's cache between the

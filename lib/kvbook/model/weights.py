@@ -269,9 +269,8 @@ def read_into_page_cache(path: Path, names: tuple[str, ...]) -> None:
 
     An mmap reads a page from the disk when it is first touched. The embedding table is read a row per new token, so
     each decode step of a table not yet in the page cache (after a reboot, or once other files pushed it out) waited
-    for a small disk read: 8.2-9.5 ms per lookup of a new token, against 0.01 ms from memory (Intel Xeon with AMX,
-    BENCHMARKS.md). Asking the OS to read ahead (madvise or posix_fadvise WILLNEED) read nothing there; one pass of
-    large reads does, at the disk's speed."""
+    for a small disk read (BENCHMARKS.md). Asking the OS to read ahead (madvise or posix_fadvise WILLNEED) read
+    nothing there; one pass of large reads does, at the disk's speed."""
     with open(path, "rb", buffering=0) as file:
         data_start, header = _safetensors_header(file)
         for name in names:
@@ -282,13 +281,10 @@ def read_into_page_cache(path: Path, names: tuple[str, ...]) -> None:
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, read into this process's own memory rather than mapped from the file.
 
-    For the matrices a decode step streams whole, every step. On an Intel Xeon with AMX (a VM) a decode step took
-    107.3-108.4 ms on the layers' bfloat16 copies mapped from the file, 98.5-99.6 ms on the same values in the
-    process's memory, in 4 KiB pages or huge ones; the int8 step 70.8-72.4 ms mapped, 65.1 in 4 KiB pages and 59.0
-    in the huge pages torch allocates (kvbook.device.enable_huge_pages; BENCHMARKS.md). The price is a pass over the
-    file when the model is loaded: 0.36 s per 1.2 GB there, 2.3-2.5 s for a fresh process's first, whose huge pages
-    the OS must assemble. No memory beyond the mapped pages it replaces; and torch's allocations are aligned as its
-    int8 kernel needs (kvbook.model.quant)."""
+    For the matrices a decode step streams whole, every step: on some CPUs a step reads them faster from the
+    process's own memory, in the huge pages torch allocates (kvbook.device.enable_huge_pages), than mapped from the
+    file (BENCHMARKS.md). The price is a pass over the file when the model is loaded. No memory beyond the mapped
+    pages it replaces; and torch's allocations are aligned as its int8 kernel needs (kvbook.model.quant)."""
     tensors = {}
     with open(path, "rb", buffering=0) as file:
         data_start, header = _safetensors_header(file)

@@ -111,8 +111,7 @@ class Engine:
         self.config = config
         self.model = model
         # a contiguous cache given back, kept for the next sequence: its memory is faulted in already. A fresh one
-        # is new memory that its first prefill faults in, page by page (~17 ms of a 256-token prefill on an Intel
-        # Xeon: BENCHMARKS.md); a paged pool is allocated once anyway
+        # is new memory that its first prefill faults in, page by page; a paged pool is allocated once anyway
         self.spare_cache: KVCache | None = None
         self._spare_lock = threading.Lock()  # two threads' new_cache never get the same spare
         # the paged layout's pool of blocks, shared by every sequence this engine runs
