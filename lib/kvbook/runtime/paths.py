@@ -15,8 +15,8 @@ A batched decode step has one more candidate on an x86 CPU: float32 rows times t
 (kvbook.model.linear; the kernel "fbgemm", shown as "fbgemm-float16"). It computes in float32 like a float32 copy but
 reads 2 bytes per weight. Packing takes seconds for the article's model, so only the batched step, which a
 long-running server or batch job builds once, is offered it; a lone step and prefill are built with every engine
-(on an AMD EPYC Zen 4 a lone step through the packed weights took 0.72 x the time, but packing took 7.8 s of every
-process, more than a 128-token generation saves; BENCHMARKS.md, twenty-eighth session).
+(a lone step through the packed weights is faster on some CPUs, but packing costs every process more than a
+128-token generation saves; BENCHMARKS.md).
 Once a batching scheduler has the packed weights, its prefill may use them too: on some CPUs float32's product
 of a few prompt rows is several times slower than FBGEMM's (a 20-token chat prompt), so the measurement also
 finds up to how many prompt rows FBGEMM beats prefill's own path (`packed_prefill_rows`; 0: never).
@@ -30,13 +30,13 @@ out once in oneDNN's blocked format instead of on every call (kvbook.model.linea
 sooner, so it is timed so and is not a separate candidate (reorders_prefill_copy).
 
 A lone decode step has one more candidate: each dtype's weights multiplied by torch's matrix-vector kernel (torch.mv,
-"matvec-<dtype>") instead of F.linear's matrix product of one row. On an Intel Xeon with AMX, F.linear's bfloat16 row
+"matvec-<dtype>") instead of F.linear's matrix product of one row. On some CPUs F.linear's bfloat16 row
 goes through oneDNN's matrix product, which streamed the weights ~20% slower than torch.mv; other CPUs are measured as
 they come. Prefill's last position through lm_head is a lone row too, and follows the decode step's choice. Through
 the kernel that wins, one row through down_proj (the widest rows) is then timed whole and as column blocks, and the
 faster is kept (`split_wide_rows`).
 
-Not a candidate: a lone row through a loop torch.compile (Inductor) writes. It made a decode step 10-25 ms faster
+Not a candidate: a lone row through a loop torch.compile (Inductor) writes. It made a decode step faster
 than F.linear on an AVX2 CPU, but every process paid ~5 s to import the compiler and load its code, more than the
 128 steps of a generation save (BENCHMARKS.md, "Thirteenth session").
 
@@ -166,7 +166,7 @@ class ComputePaths:
                 "others_cpu_share": self.others_cpu_share}
 
     def describe(self) -> list[str]:
-        """One line per phase: 'decode: float32 (measured, one row ...: float32 61.0 ms, float16 75.2 ms)'."""
+        """One line per phase: 'decode: float32 (measured, one row ...)'."""
         return [f"{phase}: {getattr(self, phase).label} ({getattr(self, phase).reason})"
                 for phase in PHASES] + [f"down_proj as column blocks for one row: "
                                         f"{'yes' if self.split_wide_rows else 'no'} ({self.split_reason})",
@@ -232,7 +232,7 @@ def cpu_model() -> str:
 def vector_flags(info: dict[str, str]) -> list[str]:
     """The vector and matrix instruction sets among the CPU's flags (avx*, amx*, fma, f16c), sorted.
 
-    A virtual machine may hide some of its processor's: two Intel Xeons that both report family 6 model 207 ran
+    A virtual machine may hide some of its processor's: two CPUs that report the same family and model ran
     bfloat16 products through AMX on one and without it on the other, where float32 prefill was 3.8 x faster than
     bfloat16 (BENCHMARKS.md, "twenty-second session"), and torch names both "AVX512"."""
     return sorted(flag for flag in info.get("flags", "").split()
@@ -447,7 +447,7 @@ def invariant_row_multiple(config: Config, dtype: torch.dtype, device: torch.dev
     """The smallest multiple m (1, 2, 4, 8, 16) such that, with rows padded to a multiple of m, each of 1..max_rows
     rows gets exactly the numbers it gets among max_rows, for every matrix shape of the model (matrix_shapes),
     through the batched step's kernel; max_rows itself (every step computes as many rows) when none does. The output
-    count matters: on an AMD EPYC Zen 5, bfloat16 rounds one row as in a batch against 256 output rows and not
+    count matters: on some CPUs bfloat16 rounds one row as in a batch against 256 output rows and not
     against 4096."""
     generator = torch.Generator().manual_seed(0)
     products = [(product_for(torch.randn(out, width, generator=generator).to(device, dtype), kernel),
@@ -627,8 +627,8 @@ def choose_paths(config: Config, device: torch.device, progress: bool = False) -
 # ---- the machine's own numbers, for the bench's floors and its kernel table --------------------------------
 
 # the plain reads: each reads every byte of its data once and does next to no arithmetic per byte, so neither is
-# limited by a kernel's arithmetic. Which streams faster depends on the CPU (on an Intel Xeon without AMX MKL's dot
-# product read 29.4-31.2 GB/s where torch.sum read 28.5-28.8: BENCHMARKS.md, "twenty-third session"), so both run
+# limited by a kernel's arithmetic. Which streams faster depends on the CPU (BENCHMARKS.md), so both
+# run
 READ_LOOPS = {"torch.sum": lambda data: data.sum(), "torch.dot(x, x)": lambda data: torch.dot(data, data)}
 
 
@@ -654,8 +654,8 @@ def read_bandwidth_gbps(device: torch.device, gib: float = 1.0, repeats: int = 1
 
 
 def read_around(device: torch.device, run, repeats: int = 2) -> tuple:
-    """(run(), GB/s): run between two plain reads, and the faster of them, the memory's speed in run's minutes (on a
-    shared virtual machine it moves in phases; BENCHMARKS.md, AMD EPYC Zen 4, twenty-ninth session)."""
+    """(run(), read speed): run between two plain reads, and the faster of them, the memory's speed in run's
+    minutes (on a shared virtual machine it moves in phases; BENCHMARKS.md)."""
     before = read_bandwidth_gbps(device, repeats=repeats)["read_gbps"]
     result = run()
     return result, max(before, read_bandwidth_gbps(device, repeats=repeats)["read_gbps"])
@@ -685,7 +685,7 @@ def matmul_gflops(device: torch.device, dtype: torch.dtype, kernel: str = "torch
 
 
 def kernel_table(device: torch.device, dtypes: list[torch.dtype], repeats: int = 5) -> dict:
-    """Per kernel of kernel_specs: a matrix-vector product and 8 rows over 32768 x 4096 (GB/s of the weight read),
+    """Per kernel of kernel_specs: a matrix-vector product and 8 rows over 32768 x 4096 (the weight read's bandwidth),
     and a 256 x 4096 x 11008 matrix product (GFLOP/s). One random draw serves every kernel (TimingWeights)."""
     rows_out, width = KERNEL_MATVEC
     weights = TimingWeights(device)
