@@ -2,7 +2,7 @@ import time
 
 import pytest
 from kvbook.config import Config, InferenceConfig, KVCacheConfig, ModelConfig
-from kvbook.device import enable_huge_pages
+from kvbook.kernels import enable_huge_pages
 
 enable_huge_pages()  # as the CLI and the book do: before the tests allocate anything
 

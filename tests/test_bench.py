@@ -9,10 +9,11 @@ import kvbook.tools.roofline as roofline_module
 import pytest
 import torch
 from kvbook.config import Config, ModelConfig, load_config
-from kvbook.model.linear import FBGEMM, fbgemm_available, onednn_available
+from kvbook.kernels import Phase, choose, fbgemm_available
+from kvbook.kernels.layers import onednn_available
 from kvbook.runtime.engine import Engine
-from kvbook.runtime.paths import READ_LOOPS, PhasePath, choose_paths, read_bandwidth_gbps
 from kvbook.tools.bench import decode_weight_bytes, paired_summary, ratios, read_spread_note
+from kvbook.tools.measure import READ_LOOPS, read_bandwidth_gbps
 from kvbook.tools.roofline import prefill_flops
 
 from .conftest import small_config
@@ -28,7 +29,7 @@ def test_the_plain_read_is_the_faster_loop(monkeypatch):
         time.sleep(0.02)
         return data.sum()
 
-    monkeypatch.setattr("kvbook.runtime.paths.READ_LOOPS", {"slow": slow_sum, "fast": lambda data: data.sum()})
+    monkeypatch.setattr("kvbook.tools.measure.READ_LOOPS", {"slow": slow_sum, "fast": lambda data: data.sum()})
     read = read_bandwidth_gbps(torch.device("cpu"), gib=1 / 64, repeats=3)
     assert read["read_loop"] == "fast"
     assert read["read_loops_gbps"]["fast"] > read["read_loops_gbps"]["slow"]
@@ -103,8 +104,8 @@ def test_bench_json_against_transformers_on_a_tiny_model(tmp_path):
         [t / ((floors["decode_weight_bytes"] + floors["decode_kv_bytes"]) / g / 1e6)
          for t, g in zip(paired["engine_tpot_runs"], paired["read_gbps_runs"], strict=True)])
     assert "kvbook bench: [6/6] engine and transformers (its faster decode) alternating" in result.stderr
-    assert out["paths"]["decode"]["label"] == out["decode_dtype"] and len(out["paths_text"]) == 6
-    assert out["paths"]["prefill"]["label"] == out["prefill_dtype"]  # the kernel too, as the other phases' labels
+    assert out["phases"]["decode"]["label"] == out["decode_dtype"] and len(out["phases_text"]) == 4
+    assert out["phases"]["prefill"]["label"] == out["prefill_dtype"]  # the kernel too, as the other phases' labels
     assert "kvbook bench: [1/" in result.stderr  # progress lines
 
 
@@ -189,7 +190,7 @@ def test_roofline_json_on_a_tiny_model(tmp_path):
     assert out["intensity"]["prefill"] > out["intensity"]["decode"]
     # the engine's prefill path label, not "torch.float32": float32 weights leave nothing to measure
     tiny = load_config("config.toml", TINY_SETTINGS)
-    assert out["prefill_dtype"] == choose_paths(tiny, torch.device("cpu")).prefill.label
+    assert out["prefill_dtype"] == choose(tiny, torch.device("cpu")).prefill.label
     assert 0 < out["lm_head_share_of_decode"] < 1 and out["bound"]["decode"] == "memory"
     assert all(row["ms"] >= 0 for row in out["prefill"] + out["decode"])
 
@@ -243,9 +244,9 @@ def test_peak_compute_times_the_arithmetic_of_the_phase_it_is_given(weight_cache
     monkeypatch.setattr(roofline_module, "time_linear",
                         lambda rows, out, inp, dtype, device, repeats, kernel: timed.append((dtype, kernel)) or 1.0)
     assert roofline_module.peak_compute_gflops(engine) == 2 * 256 * 4096 * 11008 / 1e9  # 1 s: GFLOP count
-    assert timed == [(engine.paths.prefill.dtype, engine.paths.prefill.kernel)]  # prefill's by default
-    roofline_module.peak_compute_gflops(engine, path=PhasePath(torch.float32, "a batched step's", kernel=FBGEMM))
-    assert timed[-1] == (torch.float32, FBGEMM)
+    assert timed == [(engine.kernels.prefill.dtype, engine.kernels.prefill.kernel)]  # prefill's by default
+    roofline_module.peak_compute_gflops(engine, path=Phase(torch.float32, "fbgemm", "a batched step's"))
+    assert timed[-1] == (torch.float32, "fbgemm")
 
 
 def test_a_run_whose_plain_read_moved_says_what_the_slowest_sample_gives():

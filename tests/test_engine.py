@@ -177,11 +177,11 @@ def test_weights_are_cached_under_xdg_and_reloaded_identically(weight_cache):
     cfg = small_config().model
     path = random_weights_path(cfg, torch.float32)
     assert path.parent == weight_cache and not path.exists()
-    first, _ = load_random_weights(cfg, torch.float32, progress=False)  # drawn, written in the background
+    first = load_random_weights(cfg, torch.float32, progress=False)  # drawn, written in the background
     wait_for_saves()
     assert path.exists() and not list(path.parent.glob("*.partial-*"))
     mtime = path.stat().st_mtime_ns
-    second, _ = load_random_weights(cfg, torch.float32, progress=False)
+    second = load_random_weights(cfg, torch.float32, progress=False)
     assert path.stat().st_mtime_ns == mtime  # not regenerated
     assert all(torch.equal(first[k], second[k]) for k in first)
 
@@ -205,7 +205,7 @@ def test_different_seed_gives_different_weights_file(weight_cache):
 
 FAULTS_PER_LAYER = """
 import resource, sys, torch
-from kvbook.device import keep_freed_memory
+from kvbook.kernels import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 
 def layer():  # a few activations alive at once, then all freed, as in one layer of a prefill

@@ -11,8 +11,10 @@ from kvbook.cache import kv_quant
 from kvbook.cache.memory import blocks_for_budget, kv_cache_bytes
 from kvbook.cache.paged import BlockPool
 from kvbook.config import Config, ConfigError, KVCacheConfig, ModelConfig, load_config
+from kvbook.kernels import weight_bytes_kept
+from kvbook.kernels.layers import fast_layers
 from kvbook.model import quant
-from kvbook.model.linear import Linear, weight_bytes_kept
+from kvbook.model.linear import Linear
 from kvbook.model.weights import wait_for_saves
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.scheduler import Scheduler
@@ -81,17 +83,20 @@ def test_int8_linear_equals_a_dequantized_matrix_product(rows):
     assert torch.equal(alone, out)
 
 
-def test_prefill_rows_use_the_floating_copy_or_a_dequantized_matrix():
+def test_prefill_rows_use_the_floating_weight_or_its_copy():
     linear = Linear(64, 32, dtype=torch.float32)
     linear.weight = torch.nn.Parameter(torch.randn(32, 64) * 0.02, requires_grad=False)
     x = torch.randn(1, quant.DECODE_ROWS + 1, 64)
     int8 = quant.Int8Linear.from_linear(linear, torch.bfloat16)
-    dequantized = quant.dequantize(int8.qweight, int8.scale, torch.float32)
-    assert torch.equal(int8(x), torch.nn.functional.linear(x, dequantized))
-    linear.copies[torch.bfloat16] = linear.weight.to(torch.bfloat16)  # prefill's copy (kvbook.model.weights)
-    with_copy = quant.Int8Linear.from_linear(linear, torch.bfloat16)
-    assert torch.equal(with_copy(x.to(torch.bfloat16)), torch.nn.functional.linear(x.to(torch.bfloat16),
-                                                                                   linear.copies[torch.bfloat16]))
+    assert int8.weight is linear.weight
+    assert torch.equal(int8(x), torch.nn.functional.linear(x, linear.weight))
+    fast_layers(torch.nn.Sequential(int8))  # kvbook.kernels' prefill copy, as an engine makes it
+    int8.copies[torch.bfloat16] = linear.weight.to(torch.bfloat16)
+    assert torch.equal(int8(x.to(torch.bfloat16)), torch.nn.functional.linear(x.to(torch.bfloat16),
+                                                                               int8.copies[torch.bfloat16]))
+    # a decode step's rows still read the int8 matrices
+    rows = x[:, :quant.DECODE_ROWS].to(torch.bfloat16)
+    assert torch.equal(int8(rows), quant.Int8Linear.forward(int8, rows))
 
 
 def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cache):
@@ -105,17 +110,20 @@ def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cach
     # matrices: 1 byte per weight instead of 4, plus one bfloat16 scale per output channel
     int8 = [m for m in model.modules() if isinstance(m, quant.Int8Linear)]
     matrices = sum(m.in_features * m.out_features + 2 * m.out_features for m in int8)
-    floating = sum(p.nbytes for p in model.parameters())  # the embedding and the norms' weights
-    assert floating == 4 * (cfg.model.vocab_size * cfg.model.hidden_size + sum(
+    # what a decode step reads: the int8 matrices, the embedding and the norms' weights
+    read = 4 * (cfg.model.vocab_size * cfg.model.hidden_size + sum(
         p.numel() for name, p in model.named_parameters() if name.endswith("norm.weight")))
-    assert quant.quantized_weight_bytes(model) == matrices + floating
-    # what the model keeps: also each int8 layer's floating prefill copy, if it has one (the bench's RSS ratio)
-    copies = sum(copy.nbytes for m in int8 for copy in m.copies.values())
-    assert weight_bytes_kept(model) == matrices + floating + copies
+    assert quant.quantized_weight_bytes(model) == matrices + read
+    # what the model keeps: also each int8 layer's floating weight, prefill's (the bench's RSS ratio)
+    floating = sum(p.nbytes for p in model.parameters())
+    assert floating == read + 4 * sum(m.weight.numel() for m in int8)
+    assert weight_bytes_kept(model) == matrices + floating
     # and the engine says that its decode steps, alone or batched, read the int8 matrices
-    for phase in (engine.paths.decode, engine.paths.batched_decode):
-        assert phase.label == "int8" and phase.reason.startswith('[inference] weight_dtype = "int8": bfloat16 rows')
-    assert engine.paths.packed_prefill_rows == 0 and "nothing is packed" in engine.paths.describe()[-1]
+    for phase in (engine.kernels.decode, engine.kernels.batched_decode):
+        assert phase.label == "int8" and phase.reason.startswith('[inference] weight_dtype = "int8": torch\'s int8')
+    assert "rows are not padded" not in engine.kernels.describe()[-1]  # checked when a batched step first runs
+    engine.prepare_batched_decode()
+    assert "int8 weights: rows are not padded" in engine.kernels.describe()[-1]
 
 
 def test_int8_matrices_are_cached_beside_the_random_weights(weight_cache):

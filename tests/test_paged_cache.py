@@ -4,7 +4,6 @@ sequences in one pool."""
 
 import pytest
 import torch
-from kvbook import scratch
 from kvbook.cache.contiguous import CacheFullError
 from kvbook.cache.paged import PoolExhaustedError
 from kvbook.runtime.engine import Engine
@@ -127,56 +126,3 @@ def test_several_sequences_share_one_pool(weight_cache):
     for stream in streams:
         stream.close()
     assert together == alone and paged.pool.used_blocks == 0
-
-
-@pytest.mark.parametrize("cache_dtype", ["float16", "int8"])
-@torch.inference_mode()
-def test_append_gathers_into_reused_memory_and_keys_get_their_own(weight_cache, cache_dtype):
-    """append's K and V, read by attention at once, go into memory this thread reuses (kvbook.scratch): fresh
-    pages for a long cache cost more than the gather. keys() and values() stay tensors of their own."""
-    cfg = small_config(dtype="float16").replace(kv_cache={"layout": "paged", "cache_dtype": cache_dtype})
-    engine = Engine(cfg, progress=False)
-    layer = engine.new_cache().layers[0]
-    m = cfg.model
-
-    def new_kv(positions):  # [1, KV, T, D]
-        return (torch.randn(1, m.num_key_value_heads, positions, m.head_dim).half(),
-                torch.randn(1, m.num_key_value_heads, positions, m.head_dim).half())
-
-    k, v = layer.append(*new_kv(20))
-    assert k.shape == v.shape == (1, m.num_key_value_heads, 20, m.head_dim)
-    assert torch.equal(k, layer.keys()) and torch.equal(v, layer.values())
-    pointers = set()
-    for positions in range(21, 26):  # decode steps: the memory grew once, by a quarter, and is reused since
-        k, v = layer.append(*new_kv(1))
-        assert k.shape[2] == positions and torch.equal(k, layer.keys()) and torch.equal(v, layer.values())
-        pointers.add((k.data_ptr(), v.data_ptr()))
-    assert len(pointers) == 1
-    assert layer.keys().data_ptr() != k.data_ptr()
-
-
-@pytest.mark.parametrize("cache_dtype", ["float16", "int8"])
-@torch.inference_mode()
-def test_reused_gathers_give_the_logits_of_fresh_ones_alone_and_batched(weight_cache, monkeypatch, cache_dtype):
-    """Bit for bit, with the rows of a batched step each gathering their own sequence into the same memory."""
-    cfg = small_config(dtype="float16", max_cache_len=128, max_positions=4096).replace(
-        kv_cache={"layout": "paged", "cache_dtype": cache_dtype})
-    engine = Engine(cfg, progress=False)
-    prompts = [list(range(100, 140)), list(range(300, 317))]
-
-    def run() -> list[torch.Tensor]:
-        caches = [engine.new_cache() for _ in prompts]
-        logits = [engine.prefill(cache, prompt)[0] for cache, prompt in zip(caches, prompts, strict=True)]
-        tokens = [int(x[0, -1].argmax()) for x in logits]  # [1, 1, vocab] each
-        for _ in range(4):
-            logits.append(engine.decode(tokens, caches, batched=True))  # [2, 1, vocab]
-            tokens = logits[-1][:, -1].argmax(-1).tolist()
-        for cache in caches:
-            engine.release_cache(cache)
-        return logits
-
-    reused = run()
-    monkeypatch.setattr(scratch, "reusable", lambda device: False)
-    fresh = run()
-    for a, b in zip(reused, fresh, strict=True):
-        assert torch.equal(a, b)

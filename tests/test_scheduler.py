@@ -4,9 +4,11 @@ with exactly the tokens it gets alone; admission by the pool's free blocks; abor
 import pytest
 import torch
 from kvbook.device import TORCH_DTYPES
-from kvbook.model.linear import fbgemm_available
+from kvbook.kernels import Kernels, Phase, fbgemm_available
+from kvbook.kernels.choice import invariant_row_multiple
+from kvbook.kernels.layers import fast_layers, pack_layers
+from kvbook.model.linear import Linear
 from kvbook.runtime.engine import Engine
-from kvbook.runtime.paths import fixed_paths, invariant_row_multiple
 from kvbook.runtime.scheduler import Scheduler
 
 from .conftest import small_config
@@ -15,10 +17,10 @@ PROMPTS = [list(range(1000, 1012)), list(range(2000, 2031)), [9707], list(range(
            list(range(4000, 4040))]
 
 
-def make_engine(dtype="float32", max_cache_len=128, paths=None, **kv_options):
+def make_engine(dtype="float32", max_cache_len=128, kernels=None, **kv_options):
     cfg = small_config(vocab=151936, max_cache_len=max_cache_len, dtype=dtype).replace(
         kv_cache={"layout": "paged", **kv_options})
-    return Engine(cfg, progress=False, paths=paths)
+    return Engine(cfg, progress=False, kernels=kernels)
 
 
 def alone(engine, prompt, n, **options):
@@ -48,21 +50,19 @@ def test_late_arrivals_join_the_running_batch_and_get_the_tokens_they_get_alone(
     assert engine.pool.used_blocks == 0
 
 
-@pytest.mark.parametrize("batched", ["measured", "float16", "bfloat16", "float32", "fbgemm"])
+@pytest.mark.parametrize("batched", ["chosen", "float16", "bfloat16", "float32", "fbgemm"])
 def test_float16_on_cpu_batched_rows_are_bitwise_what_they_are_alone(weight_cache, batched):
-    # float16 weights: batched steps compute in the dtype this machine measured fastest (kvbook.runtime.paths), or in
-    # the one another machine would take (fbgemm: float32 rows, float16 weights packed for FBGEMM); a sequence alone
-    # in the scheduler gets the same numbers (as two rows)
-    paths = None
-    if batched != "measured":
-        cfg = make_engine(dtype="float16").config
+    # float16 weights: batched steps compute as kvbook.kernels chose for this machine, or as another machine would
+    # (fbgemm: float32 rows, float16 weights packed for FBGEMM); a sequence alone in the scheduler gets the same
+    # numbers (as two rows)
+    kernels = None
+    if batched != "chosen":
         kernel = "fbgemm" if batched == "fbgemm" else "torch"
         dtype = torch.float32 if batched == "fbgemm" else TORCH_DTYPES[batched]
         if kernel == "fbgemm" and not fbgemm_available(torch.device("cpu")):
             pytest.skip("torch built without FBGEMM (not an x86 CPU)")
-        multiple, _ = invariant_row_multiple(cfg, dtype, torch.device("cpu"), 8, kernel)
-        paths = fixed_paths(torch.bfloat16, torch.float16, dtype, batch_row_multiple=multiple, batched_kernel=kernel)
-    engine = make_engine(dtype="float16", paths=paths)
+        kernels = Kernels(Phase(torch.bfloat16), Phase(torch.float16), Phase(dtype, kernel), torch.device("cpu"))
+    engine = make_engine(dtype="float16", kernels=kernels)
     scheduler = Scheduler(engine, max_num_seqs=8)
     assert scheduler.batched  # its decode steps compute in engine.batched_decode_dtype, rows padded
     seqs = [scheduler.add(p, 10, ignore_eos=True) for p in PROMPTS]
@@ -136,10 +136,8 @@ def test_a_bad_request_is_refused_when_added(weight_cache):
 def test_a_row_computes_the_same_alone_as_in_a_batch(dtype, out_features):
     # at real widths a CPU's kernel for one row may round differently from the one for several rows (FBGEMM's
     # float16 kernel does for 1, 2, 7 and 14 of 16 rows on an AMD EPYC Zen 3; bfloat16 does for 4096 output rows and
-    # not for 256 on a Zen 5); inside batch_invariant_rows kvbook.model.linear pads rows to the multiple
-    # kvbook.runtime.paths measures for the kernel on the model's shapes, so a decode step does not depend on the batch
-    from kvbook.model.linear import Linear, batch_invariant_rows, packed_products
-
+    # not for 256 on a Zen 5); inside a batched step kvbook.kernels pads rows to the multiple it checked for the
+    # kernel on the model's shapes, so a decode step does not depend on the batch
     kernel = "torch"
     if dtype == "fbgemm":
         if not fbgemm_available(torch.device("cpu")):
@@ -148,14 +146,17 @@ def test_a_row_computes_the_same_alone_as_in_a_batch(dtype, out_features):
     torch.manual_seed(0)
     layer = Linear(4096, out_features, dtype=torch.float16)
     layer.weight.data = (torch.randn(out_features, 4096) * 0.02).half()
+    layers = fast_layers(torch.nn.Sequential(layer))
     if kernel == "fbgemm":
-        layer.pack()
+        pack_layers(layers)
     else:
         layer.copies[dtype] = layer.weight.to(dtype)
     x = torch.randn(8, 1, 4096).to(dtype)  # [B, 1, hidden]: one decode position per sequence
     cfg = small_config(hidden=4096, heads=32, head_dim=128, kv_heads=8).replace(model={"intermediate_size": 4096})
-    multiple, _ = invariant_row_multiple(cfg, dtype, torch.device("cpu"), 8, kernel)
-    with batch_invariant_rows(multiple), packed_products():
+    phase = Phase(dtype, kernel)
+    kernels = Kernels(phase, phase, phase, torch.device("cpu"))
+    kernels.batch_row_multiple, _ = invariant_row_multiple(cfg.model, phase, torch.device("cpu"), 8)
+    with kernels.batched_step():
         batched = layer(x)
         assert all(torch.equal(batched[b:b + 1], layer(x[b:b + 1])) for b in range(8))
         assert all(torch.equal(batched[:b], layer(x[:b])) for b in range(1, 8))

@@ -5,7 +5,8 @@
     run = engine.generate(build_prompt_ids(256), 128, ignore_eos=True)
 
 The package in layers, each importing only those before it: config (and device, tokenizer) -> model -> cache ->
-runtime -> serving -> tools. Importing kvbook has no side effect; see kvbook.device.enable_huge_pages.
+kernels (the one place that chooses how a device computes faster) -> runtime -> serving -> tools. Importing kvbook
+has no side effect; see kvbook.kernels.enable_huge_pages.
 """
 
 from .cache.contiguous import CacheFullError, KVCache

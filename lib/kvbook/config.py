@@ -111,7 +111,7 @@ class InferenceConfig:
     output_len: int = 128
     dtype: str = "float16"
     device: str = "cuda:0"
-    # "auto": the dtype kvbook.runtime.paths measures fastest for prefill on this machine (by capability on a GPU)
+    # "auto": the dtype kvbook.kernels chooses for prefill on this device (the weights' own on a GPU)
     prefill_dtype: str = "auto"
     # on a GPU, single-sequence decode steps replay captured CUDA graphs (kvbook.runtime.cuda_graph); ignored on the CPU
     cuda_graphs: bool = True

@@ -33,11 +33,9 @@ def quantize_kv(x: torch.Tensor, cache_dtype: str) -> tuple[torch.Tensor, torch.
     return scaled.clamp_(-top, top).to(KV_STORAGE[cache_dtype]), scale
 
 
-def dequantize_kv(values: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """-> float32 [..., D] (into `out` if given, the same numbers): attention's products run in float32."""
-    if out is None:
-        return values.float() * scale.float()
-    return out.copy_(values).mul_(scale.float())
+def dequantize_kv(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """-> float32 [..., D]: attention's products run in float32."""
+    return values.float() * scale.float()
 
 
 def check_cache_dtype(cache_dtype: str, device: torch.device) -> None:

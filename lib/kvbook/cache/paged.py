@@ -22,7 +22,6 @@ from collections import deque
 
 import torch
 
-from .. import scratch
 from ..config import KVCacheConfig, ModelConfig
 from . import kv_quant
 from .contiguous import CacheFullError, LayeredCache, storage_dtype
@@ -150,9 +149,8 @@ class PagedLayerCache:
             storage_k[slots] = k_new[0].transpose(0, 1).to(storage_k.dtype)  # [T, KV, D], converted to cache_dtype
             storage_v[slots] = v_new[0].transpose(0, 1).to(storage_v.dtype)
         self.length = end
-        # read by attention at once, so gathered into memory this thread reuses (kvbook.scratch)
-        return self._gather(storage_k, pool.k_scale[self.layer] if pool.quantized else None, reuse="paged k"), \
-            self._gather(storage_v, pool.v_scale[self.layer] if pool.quantized else None, reuse="paged v")
+        return self._gather(storage_k, pool.k_scale[self.layer] if pool.quantized else None), \
+            self._gather(storage_v, pool.v_scale[self.layer] if pool.quantized else None)
 
     def keys(self) -> torch.Tensor:
         pool = self.sequence.pool
@@ -162,19 +160,12 @@ class PagedLayerCache:
         pool = self.sequence.pool
         return self._gather(pool.v[self.layer], pool.v_scale[self.layer] if pool.quantized else None)
 
-    def _gather(self, storage: torch.Tensor, scales: torch.Tensor | None, reuse: str | None = None) -> torch.Tensor:
-        """Read positions 0 .. length-1 through the block table: [1, KV, length, D] (float32 if quantized). A
-        tensor of its own, or with `reuse` (a kvbook.scratch slot) one valid until the next gather of that slot."""
+    def _gather(self, storage: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """Read positions 0 .. length-1 through the block table: [1, KV, length, D] (float32 if quantized)."""
         slots = self.sequence.slot_mapping(0, self.length)  # [S]
-        rows = (len(slots), *storage.shape[1:])  # [S, KV, D]
-        reused = reuse is not None and scratch.reusable(storage.device)
-        if reused:
-            gathered = torch.index_select(storage, 0, slots, out=scratch.empty(rows, storage.dtype, reuse))
-        else:
-            gathered = storage[slots]
+        gathered = storage[slots]  # [S, KV, D]
         if scales is not None:
-            out = scratch.empty(rows, torch.float32, reuse + " float32") if reused else None
-            gathered = kv_quant.dequantize_kv(gathered, scales[slots], out=out)
+            gathered = kv_quant.dequantize_kv(gathered, scales[slots])
         return gathered.transpose(0, 1)[None]
 
 

@@ -14,31 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import scratch
 from ..config import ModelConfig
 from .linear import Linear
 from .norm import RMSNorm
 from .probe import Probe
 from .rope import ApplyRope
-
-# positions of K and V converted to float32 at a time: [1, 32, 512, 128] float32 is 8 MiB, small enough to stay in
-# the processor's cache at long contexts (BENCHMARKS.md)
-KV_BLOCK = 512
-
-
-def float32_copy(x: torch.Tensor, slot: str) -> torch.Tensor:
-    """x's values in float32, laid out in memory as x is (x itself if it is float32 already).
-
-    Where kvbook.scratch allows it (a CPU, outside autograd) the copy is written into memory that this thread
-    reuses for `slot`, so it is valid until the next call with the same slot: a fresh float32 copy of a long cache
-    is tens of MiB of new pages on every step (kvbook.scratch); _attend asks for a block of KV_BLOCK positions."""
-    if x.dtype == torch.float32:
-        return x
-    if not scratch.reusable(x.device):
-        return x.float()
-    order = x.dim_order()  # x's dims from outermost to innermost in memory (the cache is stored [B, S, KV, D])
-    dense = scratch.empty([x.shape[dim] for dim in order], torch.float32, slot)
-    return dense.permute([order.index(dim) for dim in range(x.dim())]).copy_(x)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -97,31 +77,11 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, mask):
         """q [B, H, Q, D], k and v [B, KV, S, D] -> [B, H, Q, D]."""
-        # The attention products run in float32, whatever the cache holds: softmax is float32 in transformers
-        # too, and the scores keep float32's rounding. The price is bytes: the cache is converted on every step
-        # (the appendix, "Making it fast on a CPU"; chapter 11 measures the growth with the context). On a CPU it is
-        # converted KV_BLOCK positions at a time, into memory small enough to stay in the processor's cache, instead
-        # of a float32 copy of every position written out to RAM and read back; up to KV_BLOCK positions (the
-        # article's 256-384) that is one block, the whole cache at once.
-        k = repeat_kv(k, self.num_heads // self.num_kv_heads)  # [B, H, S, D]
-        v = repeat_kv(v, self.num_heads // self.num_kv_heads)
-        length = k.shape[2]
-        blocks = [slice(start, start + KV_BLOCK) for start in range(0, length, KV_BLOCK)] \
-            if scratch.reusable(k.device) else [slice(0, length)]
-        query = q.float()  # [B, H, Q, D]
-        if len(blocks) == 1:  # also under autograd, which takes no out=
-            scores = torch.matmul(query, float32_copy(k, "k").transpose(2, 3))  # [B, H, Q, S]
-        else:
-            scores = query.new_empty(*q.shape[:3], length)  # [B, H, Q, S]
-            for block in blocks:
-                torch.matmul(query, float32_copy(k[:, :, block], "k").transpose(2, 3), out=scores[..., block])
-        # scaled and masked in place: the same numbers as transformers' out-of-place ops, without two more
-        # [B, H, Q, S] float32 tensors (8 MiB each in prefill), whose fresh pages cost ~1% of a 2-core TTFT
-        scores.mul_(self.scaling)
+        # the two products and the softmax run in float32, whatever the cache holds, as transformers' softmax does
+        groups = self.num_heads // self.num_kv_heads
+        k, v = repeat_kv(k, groups).float(), repeat_kv(v, groups).float()  # [B, H, S, D]
+        scores = torch.matmul(q.float(), k.transpose(2, 3)) * self.scaling  # [B, H, Q, S]
         if mask is not None:
-            scores.masked_fill_(mask, torch.finfo(scores.dtype).min)
+            scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         weights = self.attn_weights(torch.softmax(scores, dim=-1))  # [B, H, Q, S], each row sums to 1
-        out = torch.matmul(weights[..., blocks[0]], float32_copy(v[:, :, blocks[0]], "v"))  # [B, H, Q, D]
-        for block in blocks[1:]:  # the weighted sum over positions, a block at a time
-            out.add_(torch.matmul(weights[..., block], float32_copy(v[:, :, block], "v")))
-        return out.to(q.dtype)  # [B, H, Q, D]
+        return torch.matmul(weights, v).to(q.dtype)  # [B, H, Q, D]

@@ -14,10 +14,10 @@ runs a floating matrix product on every call, which reads more bytes, not fewer 
 kernel is fast only with bfloat16 activations (float16 and float32 ones take 10-30x longer on the CPUs measured,
 BENCHMARKS.md), so on the CPU the rows are converted to bfloat16 for it and the result back to the caller's dtype.
 
-Prefill (more than DECODE_ROWS rows) is a matrix product, where this kernel is not the fast path on every CPU: it
-uses the layer's floating prefill copy (`copies`) when the engine made one (kvbook.model.weights), else dequantizes
-the matrix for the call. lm_head is quantized too (a third of the weights; it runs on one position in
-prefill as well); the embedding stays in [inference] dtype: a lookup reads one row per token.
+Prefill (more than DECODE_ROWS rows) is a matrix product, where this kernel is not the fast path: it multiplies by
+the layer's floating weight, which the layer keeps (kvbook.kernels may give it a faster copy). lm_head is quantized
+too (a third of the weights; it runs on one position in prefill as well); the embedding stays in [inference] dtype:
+a lookup reads one row per token.
 The quantized KV cache's numbers are in kvbook.cache.kv_quant.
 """
 
@@ -26,19 +26,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
 from ..config import QuantizationError
-from .linear import Linear, several_rows_product
+from .linear import Linear
 
 INT8_MAX = 127
-INT8 = "int8"  # the kernel name kvbook.runtime.paths gives a decode phase that reads these int8 matrices
 # a decode step of up to this many sequences reads the int8 weights; more rows (prefill) use the floating path
 DECODE_ROWS = 16
 # bytes: where the int8 kernel's matrix must start. It crashed (a segmentation fault, not an error) for 2 to 16 rows on
-# a matrix mapped from a safetensors file, which starts wherever the file's header ends (BENCHMARKS.md); the cached
-# matrices are read into torch's own allocations, which are aligned (kvbook.model.weights.read_tensors)
+# a matrix mapped from a safetensors file, which starts wherever the file's header ends; the cached matrices are
+# copied into torch's own allocations, which are aligned (quantize_model)
 KERNEL_ALIGNMENT = 64
 # weights quantized at a time: the float32 temporaries of a chunk (4 MiB) stay in a CPU's cache between the
 # passes over it (BENCHMARKS.md, "Eighth session")
@@ -86,43 +86,32 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 class Int8Linear(nn.Module):
-    """A bias-free linear layer with int8 weights and one scale per output channel (weight-only)."""
+    """A bias-free linear layer with int8 weights and one scale per output channel (weight-only), for a few rows;
+    more rows (prefill) multiply by the floating weight it keeps."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, copies: dict[torch.dtype, torch.Tensor] | None = None):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, weight: nn.Parameter):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.register_buffer("qweight", q)  # int8 [out, in]
         self.register_buffer("scale", scale)  # [out], in the kernel's activation dtype
-        # the floating weight's values in the dtypes a product of many rows computes in (prefill's copy,
-        # kvbook.model.weights), as kvbook.model.linear.Linear keeps them; empty: dequantize for the call
-        self.copies: dict[torch.dtype, torch.Tensor] = dict(copies or {})
-        self.onednn_dtype: torch.dtype | None = None  # as Linear's: prefill products in it go through oneDNN
+        self.weight = weight  # the floating [out, in] matrix: prefill's
 
     @classmethod
     def from_linear(cls, linear: Linear, act_dtype: torch.dtype, name: str = "weight") -> Int8Linear:
         q, scale = quantize_per_channel(linear.weight, act_dtype, name)
-        return cls(q, scale, linear.copies)
-
-    def weight_in(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The floating weight's values in dtype, if this layer keeps a copy in it."""
-        return self.copies.get(dtype)
+        return cls(q, scale, linear.weight)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: the int8 matrix and its scales."""
         return self.qweight.nbytes + self.scale.nbytes
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > DECODE_ROWS:  # prefill: a matrix product, on the floating copy or a dequantized one
-            copy = self.copies.get(x.dtype, next(iter(self.copies.values()), None))
-            if copy is not None:
-                flat = x.reshape(rows, self.in_features).to(copy.dtype)  # [rows, in]
-                out = several_rows_product(flat, copy, self.onednn_dtype, rows)  # [rows, out]
-                return out.reshape(*x.shape[:-1], self.out_features)
-            return F.linear(x, dequantize(self.qweight, self.scale, x.dtype))
-        flat = x.reshape(rows, self.in_features).to(self.scale.dtype)  # [B, in]
-        out = int8_matmul(flat, self.qweight, self.scale)  # [B, out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], in x's dtype
+        flat = x.reshape(-1, self.in_features)  # [rows, in]
+        if flat.shape[0] > DECODE_ROWS:  # prefill: a matrix product on the floating weight
+            out = F.linear(flat.to(self.weight.dtype), self.weight)
+        else:
+            out = int8_matmul(flat.to(self.scale.dtype), self.qweight, self.scale)  # [rows, out]
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -141,15 +130,15 @@ def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, d
     gets its own int8 copy: the embedding stays floating for the lookup. drawn_from: the ModelConfig of random
     weights (kvbook.model.weights): their int8 matrices are read from the weight cache, or quantized and then written
     there in the background, as the weights themselves are."""
-    from .weights import _save_in_background, read_tensors
+    from .weights import _save_in_background
 
     act_dtype = activation_dtype(device, dtype)
     check_int8_kernel(device, act_dtype)
     path = int8_cache_path(drawn_from, dtype, act_dtype) if drawn_from is not None else None
-    # read in, not mapped: every decode step streams these matrices whole (kvbook.model.weights.read_tensors)
+    # copied out of the file's mapping: the kernel needs aligned matrices (KERNEL_ALIGNMENT)
     cached = None
     if path is not None and path.exists():
-        cached = {name: tensor.to(device) for name, tensor in read_tensors(path).items()}
+        cached = {name: tensor.to(device, copy=True) for name, tensor in load_file(str(path)).items()}
     computed = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear):
@@ -160,7 +149,7 @@ def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, d
                 computed |= {f"{name}.qweight": q, f"{name}.scale": scale}
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Int8Linear(q, scale, module.copies))
+            setattr(parent, child, Int8Linear(q, scale, module.weight))
     if path is not None and cached is None and computed:
         _save_in_background({name: t.cpu() for name, t in computed.items()}, path, progress=False)
     return quantized_weight_bytes(model)
@@ -170,7 +159,9 @@ def quantized_weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight a decode step reads: int8 matrices with their scales, and the rest as stored (the
     embedding counts whole, though a step reads only one row of it)."""
     int8 = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int8Linear))
-    return int8 + sum(p.nbytes for p in model.parameters())  # int8 ones are buffers, not parameters
+    # an int8 layer's floating weight is prefill's: a decode step never reads it (a tied lm_head's is the embedding's)
+    return int8 + sum(p.nbytes for m in model.modules() if not isinstance(m, Int8Linear)
+                      for p in m.parameters(recurse=False))
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

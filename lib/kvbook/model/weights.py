@@ -3,9 +3,7 @@
 No real Qwen3 weights can be downloaded where this book is built, so by default every tensor is drawn from
 a generator seeded by ([model].seed, tensor name), directly in the target dtype. The first build writes
 them to $XDG_CACHE_HOME/kvbook/weights (default ~/.cache); every later load maps that file (an mmap: nothing is
-read until it is used), except the embedding table, read into the OS's page cache at once (read_into_page_cache),
-and the matrices every decode step streams whole, read into the process's memory (read_tensors).
-Explained in chapter 1 ("The pipeline").
+read until it is used). Explained in chapter 1 ("The pipeline").
 """
 
 from __future__ import annotations
@@ -31,11 +29,6 @@ from .qwen3 import Qwen3ForCausalLM
 
 INIT_STD = 0.02  # transformers' initializer_range for Qwen3
 INIT_VERSION = 1  # bump when the drawing below changes, so old cache files are not reused
-READ_BLOCK = 16 * 2**20  # bytes per read of a cache file's tensors (read_into_page_cache, read_tensors)
-# read a row at a time by every decode step (one new token's row), so read into the page cache whole when loaded
-SPARSELY_READ = ("model.embed_tokens.weight",)
-# the dtypes kvbook writes to its cache files, by their safetensors names
-SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I8": torch.int8}
 
 
 class CheckpointError(ValueError):
@@ -68,6 +61,14 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The matrices the model multiplies by, [out, in] by name: the layers' and lm_head's (tied or not; the embedding
+    is a lookup)."""
+    shapes = {name: shape for name, shape in expected_shapes(cfg).items()
+              if len(shape) == 2 and name != "model.embed_tokens.weight"}
+    return shapes | {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
+
+
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> Qwen3ForCausalLM:
     """Put the tensors into the model without copying them (an mmap stays an mmap on the CPU)."""
     check_shapes(cfg, weights)
@@ -90,37 +91,6 @@ def check_shapes(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         if tuple(weights[name].shape) != shape:
             raise CheckpointError(f"checkpoint tensor {name!r} has shape {list(weights[name].shape)}, "
                                   f"the model needs {list(shape)}")
-
-
-# ---- a copy of the decoder layers' matrices in a faster dtype for prefill (kvbook.model.linear) ----------------
-
-def prefill_weight_names(cfg: ModelConfig) -> list[str]:
-    """The layers' matrices: prefill's arithmetic. lm_head runs on one position and the embedding is a lookup."""
-    shapes = expected_shapes(cfg)
-    return [name for name, shape in shapes.items() if name.startswith("model.layers.") and len(shape) == 2]
-
-
-def prefill_copies(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The layers' matrices converted to dtype, several tensors at a time."""
-    names = prefill_weight_names(cfg)
-    with ThreadPoolExecutor(os.cpu_count()) as pool:
-        return dict(zip(names, pool.map(lambda name: weights[name].to(dtype), names), strict=True))
-
-
-def _owner(model: Qwen3ForCausalLM, weight_name: str):
-    """The Linear that holds a weight: "model.layers.0.mlp.up_proj.weight" -> that up_proj."""
-    return model.get_submodule(weight_name.removesuffix(".weight"))
-
-
-def has_prefill_weights(model: Qwen3ForCausalLM, dtype: torch.dtype) -> bool:
-    """Whether every layer matrix already carries a prefill copy in dtype."""
-    return all(_owner(model, name).weight_in(dtype) is not None for name in prefill_weight_names(model.cfg))
-
-
-def attach_prefill_weights(model: Qwen3ForCausalLM, prefill: dict[str, torch.Tensor]) -> None:
-    device = model.lm_head.weight.device
-    for name, tensor in prefill.items():
-        _owner(model, name).copies[tensor.dtype] = tensor.to(device)
 
 
 _pending_saves: list[threading.Thread] = []
@@ -165,8 +135,7 @@ def _start_save(thread: threading.Thread) -> None:
 @contextlib.contextmanager
 def saves_held():
     """Writes asked for inside the block start when it ends (also on an error): kvbook.runtime.engine builds its
-    whole model first: writing gigabytes on the same CPUs made quantizing the matrices to int8 over 2x slower
-    (BENCHMARKS.md, "Eighth session")."""
+    whole model first, since writing gigabytes on the same CPUs slows quantizing the matrices to int8 down."""
     global _held_saves
     if _held_saves is not None:  # nested: the outer block starts them
         yield
@@ -233,90 +202,15 @@ def random_weights_path(cfg: ModelConfig, dtype: torch.dtype) -> Path:
     return cache_dir() / f"random-{str(dtype).removeprefix('torch.')}-{key}.safetensors"
 
 
-def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, prefill_dtype: torch.dtype | None = None,
-                        progress: bool = True, decode_reads_prefill_copy: bool = False,
-                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """The weights and, if prefill_dtype is given, their prefill copy: mmaps of the cached files, except a prefill
-    copy that decode steps multiply by too (decode_reads_prefill_copy), which is read in (read_tensors). The first
-    time, drawn (and converted) in memory, then written to the cache in the background."""
+def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True) -> dict[str, torch.Tensor]:
+    """The weights: mmaps of the cached file, or the first time drawn in memory and then written to the cache in
+    the background (an Engine holds the write until its whole model is built: saves_held)."""
     path = random_weights_path(cfg, dtype)
-    prefill_path = None
-    if prefill_dtype is not None:
-        prefill_path = path.with_name(f"{path.stem}.prefill-{str(prefill_dtype).removeprefix('torch.')}.safetensors")
     if path.exists():
-        read_into_page_cache(path, SPARSELY_READ)
-        weights = load_file(str(path))
-    else:
-        weights = random_weights(cfg, dtype, progress)
-    prefill = None
-    if prefill_path is not None:
-        if not prefill_path.exists():
-            prefill = prefill_copies(cfg, weights, prefill_dtype)
-        else:
-            prefill = read_tensors(prefill_path) if decode_reads_prefill_copy else load_file(str(prefill_path))
-    # written only once everything is in memory, so the writes do not slow the drawing down (an Engine holds them
-    # longer, until its whole model is built: saves_held)
-    if not path.exists():
-        _save_in_background(weights, path, progress)
-    if prefill_path is not None and not prefill_path.exists():
-        _save_in_background(prefill, prefill_path, progress)
-    return weights, prefill
-
-
-def read_into_page_cache(path: Path, names: tuple[str, ...]) -> None:
-    """Read these tensors' bytes of a safetensors file once, in large blocks, so that the OS holds them in its page
-    cache and the file's mmap finds them there.
-
-    An mmap reads a page from the disk when it is first touched. The embedding table is read a row per new token, so
-    each decode step of a table not yet in the page cache (after a reboot, or once other files pushed it out) waited
-    for a small disk read (BENCHMARKS.md). Asking the OS to read ahead (madvise or posix_fadvise WILLNEED) read
-    nothing there; one pass of large reads does, at the disk's speed."""
-    with open(path, "rb", buffering=0) as file:
-        data_start, header = _safetensors_header(file)
-        for name in names:
-            start, end = header[name]["data_offsets"]
-            _read_span(file, data_start + start, data_start + end)
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, read into this process's own memory rather than mapped from the file.
-
-    For the matrices a decode step streams whole, every step: on some CPUs a step reads them faster from the
-    process's own memory, in the huge pages torch allocates (kvbook.device.enable_huge_pages), than mapped from the
-    file (BENCHMARKS.md). The price is a pass over the file when the model is loaded. No memory beyond the mapped
-    pages it replaces; and torch's allocations are aligned as its int8 kernel needs (kvbook.model.quant)."""
-    tensors = {}
-    with open(path, "rb", buffering=0) as file:
-        data_start, header = _safetensors_header(file)
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
-            start, end = entry["data_offsets"]
-            raw = memoryview(tensor.view(-1).view(torch.uint8).numpy())  # the tensor's bytes, written in place
-            _read_span(file, data_start + start, data_start + end, raw)
-            tensors[name] = tensor
-    return tensors
-
-
-def _safetensors_header(file) -> tuple[int, dict]:
-    """(where the data starts, the JSON header) of a safetensors file: an 8-byte length, the header, the data."""
-    length = int.from_bytes(file.read(8), "little")
-    return 8 + length, json.loads(file.read(length))
-
-
-def _read_span(file, start: int, end: int, into: memoryview | None = None) -> None:
-    """Bytes start..end of the file, read in blocks of at most READ_BLOCK into `into` (end - start bytes long), or
-    into a scratch block and dropped."""
-    scratch = memoryview(bytearray(min(READ_BLOCK, end - start))) if into is None else None
-    file.seek(start)
-    done = 0
-    while done < end - start:
-        size = min(READ_BLOCK, end - start - done)
-        read = file.readinto(scratch[:size] if into is None else into[done:done + size])
-        if not read:
-            raise OSError(f"{file.name}: shorter than its header says; delete it and kvbook writes it again")
-        done += read
+        return load_file(str(path))
+    weights = random_weights(cfg, dtype, progress)
+    _save_in_background(weights, path, progress)
+    return weights
 
 
 # ---- a local Hugging Face Qwen3 checkpoint ---------------------------------------------------------------

@@ -8,7 +8,6 @@ holds 383 positions: the last token is never fed back. Explained in chapters 4 (
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from pathlib import Path
@@ -19,36 +18,13 @@ from ..cache import kv_quant
 from ..cache.contiguous import CacheFullError, KVCache
 from ..cache.paged import BlockPool, PagedKVCache
 from ..config import Config
-from ..device import TORCH_DTYPES, enable_huge_pages, keep_freed_memory, resolve_device, synchronize
+from ..device import TORCH_DTYPES, resolve_device, synchronize
+from ..kernels import Kernels, choose, enable_huge_pages, weight_bytes_kept
 from ..model import quant
-from ..model.linear import (
-    FBGEMM,
-    MATVEC,
-    ONEDNN,
-    add_copies,
-    batch_invariant_rows,
-    pack_model,
-    packed_products,
-    reorder_copies,
-    split_long_inputs,
-    use_matvec,
-    use_onednn,
-    weight_bytes_kept,
-)
 from ..model.qwen3 import Qwen3ForCausalLM
-from ..model.weights import (
-    attach_prefill_weights,
-    build_model,
-    checkpoint_config,
-    has_prefill_weights,
-    load_checkpoint,
-    load_random_weights,
-    prefill_copies,
-    saves_held,
-)
+from ..model.weights import build_model, checkpoint_config, load_checkpoint, load_random_weights, saves_held
 from . import cuda_graph
 from .inputs import prepare_decode
-from .paths import ComputePaths, PhasePath, choose_paths, int8_decode_paths, reorders_prefill_copy
 from .scheduler import Scheduler
 from .sequence import Generation, check_sampling, positions_needed
 
@@ -57,55 +33,27 @@ class Engine:
     """Holds the model on its device and runs prefill + decode for one sequence at a time."""
 
     def __init__(self, config: Config, model: Qwen3ForCausalLM | None = None, progress: bool = True,
-                 paths: ComputePaths | None = None):
-        """paths: the arithmetic dtype of each phase; by default measured once per machine (kvbook.runtime.paths)."""
+                 kernels: Kernels | None = None):
+        """kernels: how each phase computes on this device; by default chosen for it (kvbook.kernels)."""
         enable_huge_pages()  # before the weights are allocated; no effect if this process allocated tensors already
-        keep_freed_memory()  # a prefill's activations reuse freed memory instead of faulting in new pages
+        started = time.perf_counter()
         self.device = resolve_device(config.inference.device)
         self.dtype = TORCH_DTYPES[config.inference.dtype]
-        started = time.perf_counter()
-        self.paths = paths or choose_paths(config, self.device, progress)
-        self.prefill_dtype = self.paths.prefill.dtype
-        self.decode_dtype = self.paths.decode.dtype  # a lone sequence's decode step
-        self.batched_decode_dtype = self.paths.batched_decode.dtype  # a scheduler's step that may batch sequences
+        self.kernels = kernels or choose(config, self.device)
+        self.prefill_dtype = self.kernels.prefill.dtype
+        self.decode_dtype = self.kernels.decode.dtype  # a lone sequence's decode step
+        self.batched_decode_dtype = self.kernels.batched_decode.dtype  # a scheduler's step that may batch sequences
         self.prefix_caching = config.kv_cache.prefix_caching
         self.progress = progress
         self.batched_ready = False  # prepare_batched_decode has run
-        separate_prefill = self.prefill_dtype != self.dtype
-        drawn = model is None  # random weights, from the weight cache (kvbook.model.weights)
-        # a lone or batched step computes in prefill's dtype: its copy is theirs too
-        steps_share_prefill_copy = self.prefill_dtype in (self.decode_dtype, self.batched_decode_dtype)
         with saves_held():  # the weight cache is written once the model is whole, int8 matrices too
-            if model is None:
-                # a copy that decode steps stream too (int8 steps read their own matrices) is read into memory, not
-                # mapped (kvbook.model.weights)
-                weights, prefill = load_random_weights(
-                    config.model, self.dtype, self.prefill_dtype if separate_prefill else None, progress,
-                    decode_reads_prefill_copy=steps_share_prefill_copy and config.inference.weight_dtype != "int8")
-                model = build_model(config.model, weights, self.device)
-                if separate_prefill:
-                    attach_prefill_weights(model, prefill)
-            elif separate_prefill and not has_prefill_weights(model, self.prefill_dtype):  # a model of another Engine
-                attach_prefill_weights(model, prefill_copies(config.model, dict(model.named_parameters()),
-                                                             self.prefill_dtype))
+            drawn = model is None  # random weights, from the weight cache (kvbook.model.weights)
+            if drawn:
+                model = build_model(config.model, load_random_weights(config.model, self.dtype, progress), self.device)
             kv_quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
             if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.model.quant)
                 quant.quantize_model(model, self.device, self.dtype, drawn_from=config.model if drawn else None)
-                self.paths = int8_decode_paths(self.paths, quant.activation_dtype(self.device, self.dtype))
-            else:
-                add_copies(model, self.decode_dtype)  # every matrix, lm_head too
-                model.lm_head.row_dtype = self.decode_dtype  # prefill's last position is one row too
-                if self.paths.split_wide_rows:
-                    split_long_inputs(model, self.decode_dtype)
-            # every caller's product of several prefill rows follows this engine's kernel, not only ours; a model
-            # shared with an earlier engine takes this one's choice, as it takes its copies and lm_head's row dtype
-            use_onednn(model, self.prefill_dtype if self.paths.prefill.kernel == ONEDNN else None)
-            use_matvec(model, self.paths.decode.kernel == MATVEC)
-            # prefill's copy laid out once for oneDNN where that changes no number, unless a lone or batched step
-            # multiplies by it too (kvbook.model.linear: what was measured for those phases is F.linear's speed)
-            if (reorders_prefill_copy(config, self.prefill_dtype, self.paths.prefill.kernel, self.device)
-                    and not steps_share_prefill_copy):
-                reorder_copies(model, self.prefill_dtype)
+            self.kernels.prepare(model)  # prefill's copies of the weights, where this device computes faster so
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config
@@ -160,56 +108,36 @@ class Engine:
                                                                                   self.config.kv_cache, 1):
             self.spare_cache = cache  # one this engine's new_cache would have made: kept for the next sequence
 
-    def prefill(self, cache, prompt: list[int], chunk: int = 0, batched: bool = False) -> tuple[torch.Tensor, int]:
+    def prefill(self, cache, prompt: list[int], chunk: int = 0) -> tuple[torch.Tensor, int]:
         """Fill the cache with the prompt from where it stands -> (logits of the last position computed
         [1, 1, vocab], positions reused). On an empty cache with prefix caching, the prompt's leading full blocks
         already in the pool are reused, not computed. chunk > 0: at most chunk positions in this call (chunked
-        prefill, kvbook.runtime.scheduler); call again until cache.length == len(prompt). batched: for a
-        scheduler that batches, whose weights may be packed for FBGEMM (prefill_path_for)."""
+        prefill, kvbook.runtime.scheduler); call again until cache.length == len(prompt)."""
         reused = cache.reuse_prefix(prompt) if self.prefix_caching and cache.length == 0 else 0
         start = cache.length
         end = min(len(prompt), start + chunk) if chunk > 0 else len(prompt)
         ids = torch.tensor([prompt[start:end]], device=self.device)  # [1, T]: positions not reused, one pass
         positions = torch.arange(start, end, device=self.device)  # [T]
-        path = self.prefill_path_for(batched, end - start)
-        packed = contextlib.nullcontext()
-        if path.kernel == FBGEMM:
-            self.prepare_batched_decode()  # packs the weights, once
-            packed = packed_products()
-        with torch.inference_mode(), packed:
-            logits = self.model(ids, positions, cache, compute_dtype=path.dtype)  # [1, 1, vocab]
+        with torch.inference_mode():
+            logits = self.model(ids, positions, cache, compute_dtype=self.prefill_dtype)  # [1, 1, vocab]
         if self.prefix_caching:
             cache.register_full_blocks(prompt[:end])
         return logits, reused
 
     def decode(self, tokens: list[int], caches: list, batched: bool = False) -> torch.Tensor:
         """One decode step: tokens[b] goes in at the next position of caches[b] -> logits [B, 1, vocab]. It computes
-        in decode_dtype, or with batched (a scheduler that may batch) in batched_decode_dtype with rows padded as
-        kvbook.runtime.paths measured, so that a row's numbers do not depend on its neighbours. The decoder's
-        cache replays its CUDA graph."""
+        in decode_dtype, or with batched (a scheduler that may batch) as a batched step (kvbook.kernels), whose rows
+        are padded so that a row's numbers do not depend on its neighbours. The decoder's cache replays its CUDA
+        graph."""
         if not batched and self.decoder is not None and caches[0] is self.decoder.cache:
             return self.decoder.step(tokens[0])  # the same step, replayed from a CUDA graph
-        if batched:
-            self.prepare_batched_decode()
         ids, positions, batch = prepare_decode(tokens, caches, self.device)  # [B, 1], [B]
-        path = self.decode_path_for(batched)
-        invariant = batch_invariant_rows(self.paths.batch_row_multiple) if batched else contextlib.nullcontext()
-        packed = packed_products() if path.kernel == FBGEMM else contextlib.nullcontext()
-        with torch.inference_mode(), invariant, packed:
-            return self.model(ids, positions, batch, compute_dtype=path.dtype)  # [B, 1, vocab]
-
-    def prefill_path_for(self, batched: bool, rows: int) -> PhasePath:
-        """How a prefill pass of `rows` prompt positions computes: prefill's path, or, in a scheduler that batches
-        on FBGEMM's packed weights, those weights when kvbook.runtime.paths measured them faster for that many
-        rows (a short prompt: float32's product of a few rows is slow on some CPUs)."""
-        if batched and self.paths.batched_decode.kernel == FBGEMM and rows <= self.paths.packed_prefill_rows:
-            return PhasePath(torch.float32, f"the batched step's weights packed for FBGEMM, for passes of up to "
-                                            f"{self.paths.packed_prefill_rows} rows", kernel=FBGEMM)
-        return self.paths.prefill
-
-    def decode_path_for(self, batched: bool) -> PhasePath:
-        """How a decode step computes: a lone sequence's path, or that of a scheduler that may batch."""
-        return self.paths.batched_decode if batched else self.paths.decode
+        if not batched:
+            with torch.inference_mode():
+                return self.model(ids, positions, batch, compute_dtype=self.decode_dtype)  # [B, 1, vocab]
+        self.prepare_batched_decode()
+        with torch.inference_mode(), self.kernels.batched_step():
+            return self.model(ids, positions, batch, compute_dtype=self.batched_decode_dtype)  # [B, 1, vocab]
 
     def recompute(self, tokens: list[int]) -> torch.Tensor:
         """Without a cache: every position so far, computed again -> logits of the last one [1, 1, vocab]."""
@@ -219,23 +147,15 @@ class Engine:
                               compute_dtype=self.prefill_dtype)  # [1, 1, vocab]
 
     def prepare_batched_decode(self) -> None:
-        """Give every matrix a batched_decode_dtype copy, or pack it for FBGEMM where that is the batched step's
-        kernel (kvbook.model.linear), when a scheduler that batches, or a batched step, first needs it (an int8
-        model reads its int8 weights for a few rows, kvbook.model.quant). Once per engine."""
-        if self.batched_ready:
-            return
-        if self.paths.batched_decode.kernel == FBGEMM:
-            pack_model(self.model, self.progress)
-        else:
-            add_copies(self.model, self.batched_decode_dtype)
-        self.batched_ready = True
+        """What a batched step needs (the weights packed for FBGEMM where that is its kernel: seconds), when a
+        scheduler that batches first needs it. Once per engine."""
+        if not self.batched_ready:
+            self.kernels.prepare_batched(self.model, self.config.model, self.progress)
+            self.batched_ready = True
 
-    def describe_paths(self) -> dict:
+    def describe_kernels(self) -> dict:
         """Which arithmetic each phase runs and why, and the bytes kept for the weights (JSON-ready)."""
-        copies = [getattr(m, "copies", {}).get(self.prefill_dtype) for m in self.model.modules()]
-        reordered = any(c is not None and c.is_mkldnn for c in copies)  # by this engine or one sharing the model
-        return {**self.paths.to_json(), "prefill_copy_reordered_for_onednn": reordered,
-                "weight_bytes_kept": weight_bytes_kept(self.model),
+        return {**self.kernels.to_json(), "weight_bytes_kept": weight_bytes_kept(self.model),
                 "weight_bytes_values": sum(p.nbytes for p in self.model.parameters())}
 
     def sampling_generator(self, temperature: float, top_p: float, seed: int | None) -> torch.Generator | None:
@@ -309,8 +229,7 @@ class Engine:
         token of every unfinished sequence together, input [B, 1]: each weight is read once for B tokens. A
         sequence leaves the batch when it stops (EOS or max_new_tokens). Each Step's ms is the whole pass.
 
-        A decode step of several sequences computes in batched_decode_dtype, measured for this machine
-        (kvbook.runtime.paths)."""
+        A decode step of several sequences computes as a batched step (kvbook.kernels)."""
         scheduler = Scheduler(self, max_num_seqs=len(prompts))
         sequences = [scheduler.add(prompt, max_new_tokens, ignore_eos=ignore_eos) for prompt in prompts]
         scheduler.run_until_done()

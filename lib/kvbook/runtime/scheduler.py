@@ -17,12 +17,10 @@ the sequences. Engine.stream and Engine.generate are a Scheduler with room for o
 the server and the bench use the same one with more.
 
 A sequence's tokens do not depend on its neighbours: each row of a decode step attends to its own cache, and when
-the scheduler may batch (max_num_seqs > 1) every decode step computes in one dtype whatever the batch size
-(Engine.batched_decode_dtype, measured for the machine by kvbook.runtime.paths), its rows padded as
-kvbook.runtime.paths measured (kvbook.model.linear.batch_invariant_rows); where those steps multiply by weights
-packed for FBGEMM, short prompts' prefill passes do too, alone or not (Engine.prefill_path_for). With max_num_seqs =
-1 there is never a batch: decode runs in the lone step's dtype (Engine.decode_dtype) and, on a GPU, replays CUDA
-graphs. Explained in chapter 11 ("Tuning the service").
+the scheduler may batch (max_num_seqs > 1) every decode step is a batched step whatever the batch size, its rows
+padded to a multiple checked for the machine (kvbook.kernels). With max_num_seqs = 1 there is never a batch:
+decode runs in the lone step's dtype (Engine.decode_dtype) and, on a GPU, replays CUDA graphs. Explained in
+chapter 11 ("Tuning the service").
 """
 
 from __future__ import annotations
@@ -171,7 +169,7 @@ class Scheduler:
         elif phase == "prefill":
             seq = batch[0]
             first_chunk = seq.cache.length == 0
-            logits, reused = engine.prefill(seq.cache, seq.prompt, self.prefill_chunk, self.batched)  # [1, 1, vocab]
+            logits, reused = engine.prefill(seq.cache, seq.prompt, self.prefill_chunk)  # [1, 1, vocab]
             if first_chunk:
                 seq.cached_positions = reused
             if seq.cache.length < len(seq.prompt):

@@ -6,10 +6,10 @@ the project's goals for these ratios.
 The floors belong to the machine, not to one kernel:
   memory floor   the bytes a decode step must read (the weights as stored, the embedding's one row, and the K/V
                  cache at the run's mean position) / the best plain streaming read over 1 GiB of float32
-                 (torch.sum and torch.dot(x, x), BLAS's dot product: the faster; kvbook.runtime.paths.READ_LOOPS)
+                 (torch.sum and torch.dot(x, x), BLAS's dot product: the faster; kvbook.tools.measure.READ_LOOPS)
   compute floor  the FLOPs prefill must compute, counted from the shapes as the engine computes them (the last
                  layer's queries, attention and MLP and lm_head on the last position only) / the best matrix-
-                 product rate of any dtype the engine may compute in on the device (kvbook.runtime.paths.candidates,
+                 product rate of any dtype the engine may compute in on the device (kvbook.tools.measure.candidates,
                  and FBGEMM's kernel on float16 weights where torch has it: a batching scheduler computes with it);
                  the fastest kernel's product is timed again with every later read sample and the best kept, as the
                  read's: a one-shot probe in a slow minute of a shared VM read half the rate and flattered TTFT 2 x
@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -42,17 +41,16 @@ import torch
 from ..cache.memory import kv_cache_bytes
 from ..config import Config
 from ..device import TORCH_DTYPES, resolve_device, synchronize
-from ..model.linear import FBGEMM_LABEL, ONEDNN_LABEL, fbgemm_serves
+from ..kernels import fbgemm_available
+from ..kernels.choice import LABELS, dtype_name
 from ..model.quant import int8_weight_bytes
 from ..model.weights import expected_shapes
-from ..runtime.paths import (
+from .measure import (
     candidates,
     cpu_identity,
-    dtype_name,
     kernel_specs,
     kernel_table,
     matmul_gflops,
-    paths_cache_dir,
     read_around,
     read_bandwidth_gbps,
 )
@@ -119,7 +117,7 @@ def _dtype_size(config: Config) -> int:
 # ---- workers: each prints one JSON line ---------------------------------------------------------------
 
 def probe_worker(config: Config, repeats: int, kernel_label: str | None = None) -> dict:
-    """The best plain read bandwidth of the engine's device, in GB/s (kvbook.runtime.paths.read_bandwidth_gbps),
+    """The best plain read bandwidth of the engine's device, in GB/s (kvbook.tools.measure.read_bandwidth_gbps),
     and with kernel_label (one of the kernel table's) the 256-row product's GFLOP/s through that kernel."""
     device = resolve_device(config.inference.device)
     read = read_bandwidth_gbps(device, repeats=repeats)
@@ -135,15 +133,15 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def machine_worker(config: Config, repeats: int) -> dict:
-    """The machine's own numbers: the best plain read, and per dtype the kernel table (kvbook.runtime.paths)."""
+    """The machine's own numbers: the best plain read, and per dtype the kernel table (kvbook.tools.measure)."""
     device = resolve_device(config.inference.device)
     read = read_bandwidth_gbps(device, repeats=repeats)
     kernels = kernel_table(device, list(KERNEL_DTYPES))
     usable = [dtype_name(d) for d in candidates(TORCH_DTYPES[config.inference.dtype])]
-    if fbgemm_serves(TORCH_DTYPES[config.inference.dtype], device):  # batched steps and a server's prefill may
-        usable.append(FBGEMM_LABEL)  # multiply by the packed float16 weights (kvbook.runtime.paths)
-    if ONEDNN_LABEL in kernels:  # prefill may multiply its float32 copy through oneDNN (kvbook.runtime.paths)
-        usable.append(ONEDNN_LABEL)
+    if TORCH_DTYPES[config.inference.dtype] == torch.float16 and fbgemm_available(device):
+        usable.append(LABELS["fbgemm"])  # a batched step multiplies by the packed float16 weights (kvbook.kernels)
+    if LABELS["onednn"] in kernels:  # prefill may multiply its float32 copy through oneDNN (kvbook.kernels)
+        usable.append(LABELS["onednn"])
     best = max(usable, key=lambda name: kernels[name]["matmul_gflops"])
     return {**read, "kernels": kernels, "compute_dtypes": usable, "peak_gflops": kernels[best]["matmul_gflops"],
             "peak_gflops_dtype": best,
@@ -181,10 +179,10 @@ def engine_worker(config: Config, repeats: int, steps: int) -> dict:
     cache = engine.new_cache()
     engine.prefill(cache, prompt)  # one prefill more, to weigh the cache it fills
     return {"ready_s": engine.ready_s, "ttft_runs": ttft, "tpot_runs": tpot,
-            **_peak_memory(engine.device), "device": str(engine.device), "prefill_dtype": engine.paths.prefill.label,
-            "decode_dtype": engine.paths.decode.label,
-            "batched_decode_dtype": engine.paths.batched_decode.label,
-            "paths": engine.describe_paths(), "paths_text": engine.paths.describe(),
+            **_peak_memory(engine.device), "device": str(engine.device), "prefill_dtype": engine.kernels.prefill.label,
+            "decode_dtype": engine.kernels.decode.label,
+            "batched_decode_dtype": engine.kernels.batched_decode.label,
+            "phases": engine.describe_kernels(), "phases_text": engine.kernels.describe(),
             "cuda_graphs": engine.decoder is not None and engine.decoder.replaying,  # a capture may have failed
             "kv_cache_bytes": cache.filled_bytes(), "kv_cache_positions": cache.length, "batch_size": batch}
 
@@ -351,8 +349,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     B, C), so that a machine whose speed drifts during the bench weighs on all alike. The cold start (an empty
     weight cache) runs after the first round, like the peer's second build: on memory that the processes before it
     have just used. On a virtual machine, memory left untouched for a minute can cost a second per GB to fault in
-    again (BENCHMARKS.md), and the first process to ask for gigabytes would pay for it alone. The cold start keeps
-    the machine's measured paths (kvbook.runtime.paths): they are measured once per machine, not once per weight file.
+    again, and the first process to ask for gigabytes would pay for it alone.
     The plain read is measured again after every round and the best kept: on a shared virtual machine the memory's
     speed drifts with the neighbours, and a floor measured in one slow minute would flatter every ratio.
     Last, with a peer and paired_rounds > 0, the engine and the peer's faster decode dtype alternate in one process
@@ -374,7 +371,7 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
 
     announce()
     machine = _run_worker("machine", config_path, overrides, 10, steps)
-    _run_worker("engine", config_path, overrides, 0, 1)  # the weight cache and the paths exist (not timed)
+    _run_worker("engine", config_path, overrides, 0, 1)  # the weight cache exists (not timed)
     engine_rounds, peer_rounds, cold_runs = [], {d: [] for d in peers}, []
     reads = [machine["read_gbps"]]
     products = [machine["peak_gflops"]]  # GFLOP/s of the fastest kernel's 256-row product, sampled with each read
@@ -393,8 +390,6 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
             announce()
             for _ in range(COLD_RUNS):  # each into its own empty cache; the worker exits once the cache is written
                 with tempfile.TemporaryDirectory(prefix="kvbook-cold-") as empty:
-                    if paths_cache_dir().is_dir():
-                        shutil.copytree(paths_cache_dir(), os.path.join(empty, "kvbook", "paths"))
                     cold_runs.append(_run_worker("engine", config_path, overrides, 0, 1,
                                                  env={**os.environ, "XDG_CACHE_HOME": empty})["ready_s"])
     engine = _merge(engine_rounds)
@@ -423,10 +418,10 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
                    "peak_gflops": peak_gflops, "peak_gflops_samples": [round(g, 1) for g in products],
                    "peak_gflops_dtype": machine["peak_gflops_dtype"], "compute_dtypes": machine["compute_dtypes"]},
         "kernels": machine["kernels"], "identity": machine["identity"],
-        "paths": engine["paths"], "paths_text": engine["paths_text"],
+        "phases": engine["phases"], "phases_text": engine["phases_text"],
         "ttft_spread": engine["ttft_spread"], "tpot_spread": engine["tpot_spread"],
         "decode_weight_bytes": weights_read, "weight_bytes": all_weight_bytes(config),
-        "weight_bytes_kept": engine["paths"]["weight_bytes_kept"],
+        "weight_bytes_kept": engine["phases"]["weight_bytes_kept"],
         "kv_cache_bytes": engine["kv_cache_bytes"],
         "kv_cache_bytes_formula": kv_cache_bytes(config.model, engine["kv_cache_positions"],
                                                  config.kv_cache.cache_dtype),
@@ -531,7 +526,8 @@ def run_concurrency(config: Config, concurrency: int, max_tokens: int = 64, prog
         batches = [len(step.seq_ids) for step in server.scheduler.timeline if step.phase == "decode"]
     return {"device": str(engine.device), "concurrency": concurrency, "max_tokens": max_tokens,
             "max_num_seqs": config.server.max_num_seqs,
-            "decode_dtype": engine.decode_path_for(server.scheduler.batched).label,
+            "decode_dtype": (engine.kernels.batched_decode if server.scheduler.batched
+                             else engine.kernels.decode).label,
             "alone_s": alone_s, "concurrent_s": concurrent_s, "ratio": concurrent_s / alone_s,
             "alone": {"ttft_ms": alone.ttft_s * 1e3, "tpot_ms": (alone.tpot_s or 0) * 1e3},
             "requests": [{"ttft_ms": r.ttft_s * 1e3, "tpot_ms": (r.tpot_s or 0) * 1e3, "s": s} for r, s in together],
@@ -628,7 +624,7 @@ def format_table(r: dict) -> str:
              f"{r['machine']['cpu_count']} CPUs), {r['dtype']} weights; prompt {r['input_len']}, {r['decode_steps']} "
              f"decode steps x {r['repeats']} runs x {r['rounds']} rounds (medians)"
              + ("; decode through CUDA graphs" if r.get("cuda_graphs") else "")]
-    lines += ["paths (kvbook.runtime.paths, " + r["paths"]["source"] + "):"] + [f"  {line}" for line in r["paths_text"]]
+    lines += ["kernels (kvbook.kernels):"] + [f"  {line}" for line in r["phases_text"]]
     lines.append(f"{'':28s}{'kvbook':>12s}" + "".join(f"{'transformers ' + d:>24s}" for d in peers))
 
     def row(label, ours, key, fmt):
@@ -684,9 +680,9 @@ def format_table(r: dict) -> str:
 def main(argv: list[str]) -> None:
     """Worker entry point: python -m kvbook.tools.bench ROLE CONFIG REPEATS STEPS [OVERRIDES...]"""
     from ..config import load_config
-    from ..device import enable_huge_pages
+    from ..kernels import enable_huge_pages
 
-    enable_huge_pages()  # before the worker allocates anything, as `python -m kvbook` does (kvbook.device)
+    enable_huge_pages()  # before the worker allocates anything, as `python -m kvbook` does (kvbook.kernels.memory)
 
     role, config_path, repeats, steps, *overrides = argv
     config = load_config(config_path, overrides)

@@ -21,7 +21,7 @@ import torch
 
 from ..cache.memory import DTYPE_BYTES, kv_cache_bytes
 from ..config import Config, ModelConfig, load_config
-from ..device import enable_huge_pages
+from ..kernels import enable_huge_pages
 
 matplotlib.rcParams.update({"figure.dpi": 110, "figure.figsize": (6.4, 3.2), "axes.grid": True, "grid.alpha": 0.3})
 
@@ -36,7 +36,7 @@ def config_path() -> Path:
 
 def book_config(*overrides: str) -> Config:
     """The repository's config.toml with --set style overrides, e.g. book_config("kv_cache.enable=false").
-    A chapter's first call: it also turns on huge pages for the weights (kvbook.device.enable_huge_pages)."""
+    A chapter's first call: it also turns on huge pages for the weights (kvbook.kernels.enable_huge_pages)."""
     enable_huge_pages()
     return load_config(config_path(), list(overrides))
 

@@ -14,7 +14,7 @@ import warnings
 
 from ..cache.contiguous import CacheFullError
 from ..config import Config, ConfigError, load_config
-from ..device import enable_huge_pages
+from ..kernels import enable_huge_pages
 from ..model.weights import CheckpointError
 
 
@@ -280,7 +280,7 @@ def cmd_generate(config: Config, args) -> None:
                           "ready_s": engine.ready_s, "ttft_ms": run.ttft_ms, "tpot_ms": run.tpot_ms,
                           "device": str(engine.device),
                           "dtype": engine.config.inference.dtype,
-                          "paths": engine.describe_paths(), "paths_text": engine.paths.describe()}))
+                          "phases": engine.describe_kernels(), "phases_text": engine.kernels.describe()}))
         return
     print(text_stream.finish())
     tpot = f"{run.tpot_ms:.1f} ms" if run.tpot_ms is not None else "-"
@@ -304,7 +304,7 @@ COMMANDS = {"trace": cmd_trace, "generate": cmd_generate, "serve": cmd_serve, "b
 
 
 def main(argv: list[str] | None = None) -> int:
-    enable_huge_pages()  # before any tensor is allocated (kvbook.device)
+    enable_huge_pages()  # before any tensor is allocated (kvbook.kernels.memory)
     warnings.formatwarning = lambda message, category, *rest: f"kvbook: warning: {message}\n"
     try:
         args = build_parser().parse_args(argv)

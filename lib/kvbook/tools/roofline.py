@@ -16,9 +16,11 @@ import torch
 
 from ..config import Config, ModelConfig
 from ..device import synchronize
+from ..kernels import Phase
+from ..model.weights import matrix_shapes
 from ..runtime.engine import Engine
-from ..runtime.paths import PhasePath, time_linear
 from ..tokenizer import build_prompt_ids
+from .measure import time_linear
 
 TIMED = ("input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "rope", "o_proj",
          "post_attention_layernorm", "gate_proj", "up_proj", "down_proj", "self_attn", "mlp")
@@ -56,22 +58,27 @@ def prefill_flops(m: ModelConfig, t: int, computed: bool = False) -> int:
     RoPE and SwiGLU's few FLOPs per element are left out: well under 0.1%.) This is the compute floor's count.
     computed: what the engine computes, which is less: the last layer's K and V on t rows, its queries, attention
     and the matrices after it on the last row only (kvbook.model.qwen3)."""
-    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
-    layer = (q + 2 * kv) * m.hidden_size + m.hidden_size * q + 3 * m.hidden_size * m.intermediate_size
+    shapes = matrix_shapes(m)
+    layer = {name.split(".")[-2]: out * width for name, (out, width) in shapes.items()
+             if name.startswith("model.layers.0.")}  # one layer's parameters per matrix: q_proj, ..., down_proj
     attention = 4 * m.num_attention_heads * t * t * m.head_dim
-    total = m.num_hidden_layers * (2 * t * layer + attention) + 2 * m.hidden_size * m.vocab_size
+    lm_head = 2 * shapes["lm_head.weight"][0] * shapes["lm_head.weight"][1]
+    total = m.num_hidden_layers * (2 * t * sum(layer.values()) + attention) + lm_head
     if not computed:
         return total
-    after_kv = layer - 2 * kv * m.hidden_size  # q_proj, o_proj and the MLP
+    after_kv = sum(layer.values()) - layer["k_proj"] - layer["v_proj"]  # q_proj, o_proj and the MLP
     return total - 2 * (t - 1) * after_kv - 4 * m.num_attention_heads * (t - 1) * t * m.head_dim
 
 
 def _linear(op, layer, t, module, act_dtype, dtype_of_weight):
     """A Linear's row: the bytes of the weight (or copy) the phase's dtype reads."""
-    weight = getattr(module, "weight_in", lambda d: None)(dtype_of_weight)
-    weight = weight if weight is not None else getattr(module, "weight", None)
+    weight = getattr(module, "copies", {}).get(dtype_of_weight)  # prefill's copy (kvbook.kernels)
     act_bytes = torch.finfo(act_dtype).bits // 8
-    weight_bytes = weight.numel() * weight.element_size() if weight is not None else module.weight_bytes  # int8
+    if weight is None and hasattr(module, "qweight"):  # an int8 layer (kvbook.model.quant)
+        weight_bytes = module.weight_bytes
+    else:
+        weight = module.weight if weight is None else weight
+        weight_bytes = weight.numel() * weight.element_size()
     activations = t * (module.in_features + module.out_features) * act_bytes
     return {"op": op, "layer": layer, "flops": 2 * t * module.in_features * module.out_features,
             "bytes": weight_bytes + activations}
@@ -79,7 +86,7 @@ def _linear(op, layer, t, module, act_dtype, dtype_of_weight):
 
 def op_costs(engine: Engine, t: int, s: int, act_dtype: torch.dtype, prefill: bool) -> list[dict]:
     """FLOPs and bytes of every op for T new positions attending to S positions, the matrices read in act_dtype
-    (the phase's path, kvbook.runtime.paths) and lm_head's one row in the decode path's dtype. In prefill the last
+    (the phase's, kvbook.kernels) and lm_head's one row in the decode path's dtype. In prefill the last
     layer computes K and V for the T positions and the rest for the last one only (kvbook.model.qwen3)."""
     m, model = engine.config.model, engine.model
     a = torch.finfo(act_dtype).bits // 8
@@ -140,11 +147,11 @@ def _measured_ms(timer: ModuleTimer, row: dict) -> float:
     raise KeyError(row["op"])
 
 
-def peak_compute_gflops(engine: Engine, repeats: int = 5, path: PhasePath | None = None) -> float:
+def peak_compute_gflops(engine: Engine, repeats: int = 5, path: Phase | None = None) -> float:
     """Best FLOP/s of a 256 x 4096 x 11008 matrix product (one gate_proj of prefill) on the engine's device, in the
     arithmetic of one of its phases: prefill's by default; a batched decode step's may be FBGEMM's kernel
     (chapter 11 takes the best of the two)."""
-    path = path or engine.paths.prefill
+    path = path or engine.kernels.prefill
     seconds = time_linear(256, 11008, 4096, path.dtype, engine.device, repeats, kernel=path.kernel)
     return 2 * 256 * 4096 * 11008 / seconds / 1e9
 
@@ -189,8 +196,8 @@ def roofline(engine: Engine, prompt_len: int | None = None, repeats: int = 3) ->
     lm_head = next(r for r in phases["decode"] if r["op"] == "lm_head")
     return {"prefill": phases["prefill"], "decode": phases["decode"], "prompt_len": prompt_len,
             "peak_gflops": peak_compute_gflops(engine), "device": str(engine.device),
-            "prefill_dtype": engine.paths.prefill.label,
-            "decode_dtype": engine.paths.decode.label,
+            "prefill_dtype": engine.kernels.prefill.label,
+            "decode_dtype": engine.kernels.decode.label,
             "lm_head_share_of_decode": lm_head["ms"] / decode_ms,
             "intensity": {phase: sum(r["flops"] for r in rows) / sum(r["bytes"] for r in rows)
                           for phase, rows in phases.items()}}
