@@ -161,9 +161,13 @@ def test_int8_matrices_read_back_from_a_misaligned_file_are_multiplied_safely(we
 
 def test_int8_engine_equals_its_dequantized_reference(weight_cache):
     """The whole decode path (prefill, cached decode steps, lm_head) against float32 matrices holding q * scale:
-    the only difference left is the kernel's bfloat16 rounding of rows and outputs."""
+    the only difference left is the kernel's bfloat16 rounding of rows and outputs. Prefill multiplies an int8
+    layer's floating weight; here that weight is set to q * scale too, so that both engines cache the same K and V."""
     cfg = small_config(max_cache_len=128)
     engine = int8_engine(cfg)
+    for m in engine.model.modules():
+        if isinstance(m, quant.Int8Linear):
+            m.weight = torch.nn.Parameter(quant.dequantize(m.qweight, m.scale, torch.float32), requires_grad=False)
     reference = Engine(cfg, model=dequantized_reference(engine.model), progress=False)
     prompt = list(range(100, 140))
     tokens = reference.generate(prompt, 24, ignore_eos=True).output_ids[:-1]

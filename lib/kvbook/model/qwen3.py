@@ -57,7 +57,8 @@ class Qwen3Model(nn.Module):
         batch: a ForwardBatch (kvbook.model.forward_batch; a batched decode step's, input_ids [B, 1] and positions
         [B] with one per sequence, from kvbook.runtime.inputs.prepare_decode), a cache (which describes itself),
         or None (no cache).
-        compute_dtype: the activations' dtype (default: the weights'); see kvbook.model.linear.
+        compute_dtype: the activations' dtype (default: the weights'); a product computes in the weights' dtype unless
+        kvbook.kernels gave the layer a copy in this one.
         inputs_embeds [B, T, C]: the layers' input itself instead of input_ids' embeddings, as in transformers
         (chapter 5 feeds the layers a vector that is not a token's embedding, to show what that does)."""
         if (input_ids is None) == (inputs_embeds is None):

@@ -43,6 +43,40 @@ def book_config(*overrides: str) -> Config:
 
 # ---- chapter 1: parameters and memory ------------------------------------------------------------------------
 
+def tree_hash(root: Path | None = None) -> str:
+    """A hash of what computes the chapters' outputs: every file under lib/kvbook, config.toml, and the chapters'
+    code cells (not their outputs). A committed chapter whose stamp differs came from another tree."""
+    import nbformat
+
+    root = root or config_path().parent
+    digest = hashlib.sha256()
+    for path in sorted((root / "lib" / "kvbook").rglob("*.py")) + [root / "config.toml"]:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    for path in sorted((root / "chapters").glob("*.ipynb")):
+        cells = nbformat.read(path, as_version=4).cells
+        code = "\0".join(cell.source for cell in cells if cell.cell_type == "code")
+        digest.update(path.name.encode() + b"\0" + code.encode())
+    return digest.hexdigest()[:16]
+
+
+def machine_name() -> str:
+    """The machine a run's numbers come from: the GPU, or the CPU's model name, family, model and core count."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    from .measure import _cpuinfo, cpu_model
+
+    info = _cpuinfo()
+    return (f"{cpu_model()} (CPU family {info.get('cpu family', '?')} model {info.get('model', '?')}, "
+            f"{torch.get_num_threads()} cores)")
+
+
+def run_stamp(chapter: str) -> dict:
+    """The canonical run's stamp of one chapter (kept in the notebook's metadata, printed by the intro's chapter)."""
+    import nbformat
+
+    return nbformat.read(config_path().parent / "chapters" / chapter, as_version=4).metadata.get("kvbook", {})
+
+
 def parameter_table(model: torch.nn.Module) -> pd.DataFrame:
     """Parameters per part of the model, counted from the model's own tensors (a tied lm_head counts once)."""
     parts: dict[str, int] = {}
