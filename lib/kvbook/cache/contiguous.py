@@ -45,7 +45,7 @@ class LayerKVCache:
         # Stored position-major, [B, S, H, D], and seen through a transpose as [B, H, S, D]: a new
         # sequence's positions then fill consecutive memory. Head-major storage puts each head's first positions
         # 1 MiB apart, and with transparent huge pages the first write to a fresh cache faulted in 192 pages of
-        # 2 MiB, which cost TTFT (BENCHMARKS.md, "Numbers from code comments"). Empty, not zeros: only the filled
+        # 2 MiB, which cost TTFT. Empty, not zeros: only the filled
         # part [:length] is read.
         storage = (batch, max_len, kv_heads, head_dim)
         self.k = torch.empty(storage, dtype=dtype, device=device).transpose(1, 2)  # [B, H, S, D]

@@ -10,9 +10,9 @@ Activations stay floating point (weight-only quantization): y = (x @ q.T) * scal
 The kernel is torch's own `torch.ops.aten._weight_int8pack_mm(x, q, scale)` (int8 [out, in], a scale per output
 in x's dtype; a CPU and a CUDA implementation ship with torch). torchao (0.18.0, the maintained library for this)
 installs without pulling another torch, but on the CPU its Int8WeightOnlyConfig dequantizes the whole weight and
-runs a floating matrix product on every call, which reads more bytes, not fewer (BENCHMARKS.md, "int8"). The CPU
-kernel is fast only with bfloat16 activations (float16 and float32 ones take 10-30x longer on the CPUs measured,
-BENCHMARKS.md), so on the CPU the rows are converted to bfloat16 for it and the result back to the caller's dtype.
+runs a floating matrix product on every call, which reads more bytes, not fewer. The CPU kernel is fast only with
+bfloat16 activations (float16 and float32 ones are many times slower), so on the CPU the rows are converted to
+bfloat16 for it and the result back to the caller's dtype.
 
 Prefill (more than DECODE_ROWS rows) is a matrix product, where this kernel is not the fast path: it multiplies by
 the layer's floating weight, which the layer keeps (kvbook.kernels may give it a faster copy). lm_head is quantized
@@ -41,7 +41,7 @@ DECODE_ROWS = 16
 # copied into torch's own allocations, which are aligned (quantize_model)
 KERNEL_ALIGNMENT = 64
 # weights quantized at a time: the float32 temporaries of a chunk (4 MiB) stay in a CPU's cache between the
-# passes over it (BENCHMARKS.md, "Eighth session")
+# passes over it
 QUANTIZE_CHUNK_WEIGHTS = 2**20
 
 

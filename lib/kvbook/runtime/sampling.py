@@ -11,7 +11,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
     """logits [vocab] -> one token id."""
     if temperature == 0:
         # float16 -> float32 is exact, so the same token; on the CPU float16 argmax is not vectorized, and the cast
-        # plus a float32 argmax is faster (BENCHMARKS.md, "Numbers from code comments")
+        # plus a float32 argmax is faster
         return int(torch.argmax(logits.float()))
     scaled = logits.float() / temperature
     if not torch.isfinite(scaled).all():  # a temperature so close to 0 that the logits overflow: its limit, greedy

@@ -10,7 +10,7 @@ is the lowest rate whose median TTFT exceeds twice the median TTFT of the lowest
 
 The server runs in a process of its own (`python -m kvbook serve` with the same --config and --set), so the
 client's event loop does not share the server's interpreter; or pass --url to load a running server.
-Recorded in BENCHMARKS.md ("Serving under load").
+How it is run: BENCHMARKS.md ("How each figure is measured").
 """
 
 from __future__ import annotations

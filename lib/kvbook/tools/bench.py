@@ -77,14 +77,13 @@ def _peak_memory_of(r: dict) -> str:
 
 
 # Cold starts timed (median reported): on a virtual machine the first process in a while to ask for gigabytes of
-# memory can pay seconds for it, whatever it runs (BENCHMARKS.md, "Cold start").
+# memory can pay seconds for it, whatever it runs.
 COLD_RUNS = 3
-# plain-read samples of one run this far apart (largest / smallest) get a line beside the memory floor: one VM's
-# read moved between 33 and 54 GB/s from minute to minute (BENCHMARKS.md, AMD EPYC Zen 4, 2026-12-03)
+# plain-read samples of one run this far apart (largest / smallest) get a line beside the memory floor: a VM's
+# memory speed moves from minute to minute (BENCHMARKS.md, "How each figure is measured")
 READ_SPREAD = 1.2
-# rounds of the paired worker (the engine and transformers alternating in one process): with 8 rounds of 32 steps the
-# article's model's bench went from 4 min 54 s to 6 min 9 s - 6 min 55 s on a 2-core AMD EPYC (BENCHMARKS.md, twenty-
-# seventh session), transformers' build and one float16 prefill included
+# rounds of the paired worker (the engine and transformers alternating in one process); each round costs a minute or
+# so of the bench on 2 cores, transformers' build and one float16 prefill included
 PAIRED_ROUNDS = 8
 
 
@@ -242,7 +241,7 @@ def transformers_worker(config: Config, repeats: int, steps: int, peer_dtype: st
 def paired_worker(config: Config, repeats: int, steps: int, peer_dtype: str) -> dict:
     """The engine's TPOT and transformers' (in peer_dtype) in one process, alternating (A B, B A, ...) `repeats`
     times: both see the same minutes of the machine. On a shared virtual machine the speed of the memory moves in
-    phases of tens of seconds that slow both by ~20% (BENCHMARKS.md, AMD EPYC Zen 4, twenty-seventh session), and
+    phases of tens of seconds that slow both alike, and
     medians from separate processes can land in different phases. One sequence each (batch 1), decoding from the
     prompt's prefill every round (transformers' cache is a copy of one prefill: its float16 prefill takes seconds on
     a CPU). A plain read just before and just after the engine's run of each round gives the floor of that round's
@@ -607,7 +606,7 @@ def ratios(r: dict) -> dict:
 def read_spread_note(tpot_ms: float, floors: dict) -> str | None:
     """A line for a run whose plain-read samples differ by READ_SPREAD or more, else None. The memory floor takes the
     best sample (what the memory can do); on a shared machine a burst can set it, and TPOT against it then says as
-    much about the minute as about the engine (BENCHMARKS.md, "AMD EPYC (Zen 4 ...), 2026-12-03")."""
+    much about the minute as about the engine."""
     samples = floors["read_gbps_samples"]
     if max(samples) / min(samples) < READ_SPREAD:
         return None
