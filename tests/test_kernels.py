@@ -100,6 +100,16 @@ def test_a_fast_layer_uses_the_copy_in_the_inputs_dtype_and_the_weight_otherwise
     assert torch.count_nonzero(layer(x.half()[:1])) == 0 and torch.count_nonzero(layer(x.half())) > 0
 
 
+def test_the_tracer_names_a_prepared_layer_by_the_models_class():
+    from kvbook.tools.trace import Tracer
+
+    model = torch.nn.Sequential(Linear(8, 4))
+    fast_layers(model)
+    with Tracer(model) as tracer, tracer.step("prefill", 0):
+        model(torch.ones(1, 8))
+    assert isinstance(model[0], FastLinear) and [row["kind"] for row in tracer.module_rows] == ["Linear"]
+
+
 def test_a_lone_row_through_torch_mv_and_several_float32_rows_through_onednn_compute_the_same_product():
     torch.manual_seed(0)
     layer = Linear(256, 64, dtype=torch.float16)

@@ -158,9 +158,10 @@ class Engine:
         return {**self.kernels.to_json(), "weight_bytes_kept": weight_bytes_kept(self.model),
                 "weight_bytes_values": sum(p.nbytes for p in self.model.parameters())}
 
-    def sampling_generator(self, temperature: float, top_p: float, seed: int | None) -> torch.Generator | None:
+    def sampling_generator(self, temperature: float, top_p: float, seed: int | None,
+                           top_k: int = 0) -> torch.Generator | None:
         """Check the sampling options -> the sequence's own seeded generator (None for greedy decoding)."""
-        check_sampling(temperature, top_p)
+        check_sampling(temperature, top_p, top_k)
         if temperature == 0:
             return None
         return torch.Generator(self.device).manual_seed(seed if seed is not None else 0)
@@ -191,7 +192,7 @@ class Engine:
                 f"(--set kv_cache.max_cache_len={needed}) or generate fewer tokens")
 
     def stream(self, input_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None):
+               top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None, top_k: int = 0):
         """Yield a Step per generated token. Stop on EOS (unless ignore_eos) or after max_new_tokens.
 
         The sequence runs through the same loop as a batch (kvbook.runtime.scheduler), with room for one sequence:
@@ -200,7 +201,7 @@ class Engine:
         tracer: a kvbook.tools.trace.Tracer to record shapes, cache lengths and timings of every step.
         """
         scheduler = Scheduler(self, max_num_seqs=1)
-        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer=tracer)
+        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer, top_k)
         yield from self._run_alone(scheduler, seq)
 
     def _run_alone(self, scheduler: Scheduler, seq):
@@ -240,11 +241,11 @@ class Engine:
 
     def generate(self, input_ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None,
-                 on_step=None) -> Generation:
+                 on_step=None, top_k: int = 0) -> Generation:
         """Run stream()'s loop to the end -> the Generation, with the sequence's own finish reason. on_step: called
         with each Step as it comes (the CLI prints each token's text while the rest is computed)."""
         scheduler = Scheduler(self, max_num_seqs=1)
-        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer=tracer)
+        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer, top_k)
         for step in self._run_alone(scheduler, seq):
             if on_step is not None:
                 on_step(step)

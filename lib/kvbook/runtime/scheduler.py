@@ -67,15 +67,16 @@ class Scheduler:
         self._last_phase = ""
 
     def add(self, prompt: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
-            top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None) -> Sequence:
+            top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False, tracer=None,
+            top_k: int = 0) -> Sequence:
         """Queue a request (checked now, so a bad one fails here and not inside a batch). tracer: a
         kvbook.tools.trace.Tracer recording every pass of this sequence (with room for one sequence only)."""
         if max_new_tokens is None:
             max_new_tokens = self.engine.config.inference.output_len
         self.engine.check_request(len(prompt), max_new_tokens)
         check_token_ids(prompt, self.engine.config.model.vocab_size)
-        seq = Sequence(self._next_id, list(prompt), max_new_tokens, temperature, top_p, seed, ignore_eos,
-                       generator=self.engine.sampling_generator(temperature, top_p, seed), tracer=tracer)
+        seq = Sequence(self._next_id, list(prompt), max_new_tokens, temperature, top_p, seed, ignore_eos, top_k,
+                       generator=self.engine.sampling_generator(temperature, top_p, seed, top_k), tracer=tracer)
         self._next_id += 1
         self.waiting.append(seq)
         return seq
@@ -177,7 +178,7 @@ class Scheduler:
         else:
             logits = engine.decode([seq.steps[-1].token_id for seq in batch], [seq.cache for seq in batch],
                                    self.batched)  # [B, 1, vocab]
-        return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator) for b, seq in enumerate(batch)]
+        return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator, seq.top_k) for b, seq in enumerate(batch)]
 
     def _worst_case_blocks(self, seq: Sequence) -> int:
         return self.engine.pool.blocks_for(seq.positions_needed)

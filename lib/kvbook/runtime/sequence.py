@@ -19,12 +19,14 @@ def positions_needed(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max_new_tokens - 1
 
 
-def check_sampling(temperature: float, top_p: float) -> None:
+def check_sampling(temperature: float, top_p: float, top_k: int = 0) -> None:
     """Refuse sampling options no sampler can use, one line naming the option."""
     if temperature < 0:
         raise ValueError(f"temperature = {temperature:g}: must be >= 0 (0 is greedy decoding)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p = {top_p:g}: must be in (0, 1] (1 keeps every token)")
+    if top_k < 0:
+        raise ValueError(f"top_k = {top_k}: must be >= 0 (0 keeps every token)")
 
 
 def check_token_ids(input_ids: list[int], vocab_size: int) -> None:
@@ -107,6 +109,7 @@ class Sequence:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    top_k: int = 0
     steps: list[Step] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     error: Exception | None = None

@@ -95,6 +95,8 @@ class ChatCompletionRequest(BaseModel):
         None, description="0 = greedy (default 1)")
     top_p: Annotated[float | None, Field(strict=True, gt=0, le=1)] = Field(
         None, description="nucleus sampling (default 1)")
+    top_k: Annotated[int | None, Field(strict=True, ge=0)] = Field(
+        None, description="vLLM's extension: draw from the k most likely tokens only (default 0: every token)")
     seed: Annotated[int | None, Field(strict=True, ge=-2**63, le=2**63 - 1)] = Field(
         None, description="seed of this request's sampler (a 64-bit integer)")
     stop: Annotated[StopString | Annotated[list[StopString], Field(max_length=4)] | None,

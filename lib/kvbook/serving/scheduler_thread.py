@@ -47,13 +47,14 @@ class Sampling:
     seed: int | None = None
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    top_k: int = 0
 
     @classmethod
     def of(cls, body: ChatCompletionRequest, default_max_tokens: int) -> Sampling:
         return cls(body.new_tokens or default_max_tokens,
                    1.0 if body.temperature is None else body.temperature,
                    1.0 if body.top_p is None else body.top_p, body.seed, bool(body.ignore_eos),
-                   tuple(body.stop_strings))
+                   tuple(body.stop_strings), body.top_k or 0)
 
 
 class SchedulerThread:
@@ -144,7 +145,8 @@ class SchedulerThread:
         s = ticket.sampling
         try:
             ticket.sequence = self.scheduler.add(ticket.input_ids, s.max_tokens, temperature=s.temperature,
-                                                 top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos)
+                                                 top_p=s.top_p, seed=s.seed, ignore_eos=s.ignore_eos,
+                                                 top_k=s.top_k)
         except Exception as err:  # noqa: BLE001 - checked before submission; reported, never lost
             ticket.deliver(err)
             ticket.deliver(None)

@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="weights, activations and cache")
     gen.add_argument("--device", help="cpu, cuda or cuda:N (default: [inference] device)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass (1: all)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all, default)")
     gen.add_argument("--seed", type=int, help="seed of the sampling generator")
     gen.add_argument("--ignore-eos", action="store_true", help="always produce max-new-tokens tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON document instead of text")
@@ -253,7 +254,7 @@ def cmd_generate(config: Config, args) -> None:
         raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    check_sampling(args.temperature, args.top_p)  # every check that needs no model runs before the model loads
+    check_sampling(args.temperature, args.top_p, args.top_k)  # every check that needs no model runs before the model loads
     tokenizer = get_default_tokenizer()
     if args.prompt is not None:
         input_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -272,7 +273,7 @@ def cmd_generate(config: Config, args) -> None:
         print(text_stream.add(step.token_id), end="", flush=True)
 
     run = engine.generate(input_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          seed=args.seed, ignore_eos=args.ignore_eos, on_step=None if args.json else show)
+                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, on_step=None if args.json else show)
     if args.json:
         print(json.dumps({"input_ids": input_ids, "output_ids": run.output_ids,
                           "text": tokenizer.decode(run.output_ids),

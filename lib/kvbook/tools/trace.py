@@ -16,6 +16,12 @@ import torch
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
+def _model_class(module) -> str:
+    """The model's own class name: kvbook.kernels gives a prepared layer a subclass whose forward picks the kernel,
+    and which one it picks depends on the machine."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("kvbook.kernels")).__name__
+
+
 def _shape(value):
     if isinstance(value, torch.Tensor):
         return list(value.shape)
@@ -58,7 +64,7 @@ class Tracer:
             if self._phase is None:  # a forward outside engine steps (e.g. a chapter calling a layer)
                 return
             row = {"phase": self._phase, "step": self._step, "module": name, "layer": layer,
-                   "kind": type(module).__name__, "input_shape": _shape(args[0]) if args else None,
+                   "kind": _model_class(module), "input_shape": _shape(args[0]) if args else None,
                    "output_shape": _shape(output)}
             self.module_rows.append(row)
             self._by_step_module[(self._step, name)] = row
