@@ -178,7 +178,8 @@ class Scheduler:
         else:
             logits = engine.decode([seq.steps[-1].token_id for seq in batch], [seq.cache for seq in batch],
                                    self.batched)  # [B, 1, vocab]
-        return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator, seq.top_k) for b, seq in enumerate(batch)]
+        return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator, seq.top_k)
+                for b, seq in enumerate(batch)]
 
     def _worst_case_blocks(self, seq: Sequence) -> int:
         return self.engine.pool.blocks_for(seq.positions_needed)

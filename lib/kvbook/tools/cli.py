@@ -254,7 +254,8 @@ def cmd_generate(config: Config, args) -> None:
         raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    check_sampling(args.temperature, args.top_p, args.top_k)  # every check that needs no model runs before the model loads
+    # every check that needs no model runs before the model loads
+    check_sampling(args.temperature, args.top_p, args.top_k)
     tokenizer = get_default_tokenizer()
     if args.prompt is not None:
         input_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -273,7 +274,8 @@ def cmd_generate(config: Config, args) -> None:
         print(text_stream.add(step.token_id), end="", flush=True)
 
     run = engine.generate(input_ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, on_step=None if args.json else show)
+                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
+                          on_step=None if args.json else show)
     if args.json:
         print(json.dumps({"input_ids": input_ids, "output_ids": run.output_ids,
                           "text": tokenizer.decode(run.output_ids),
