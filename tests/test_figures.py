@@ -2,6 +2,7 @@
 configuration they are drawn from (change a size, the label changes)."""
 
 import dataclasses
+import math
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -12,6 +13,8 @@ from kvbook.tools.figures import (
     figure_texts,
     kv_append_diagram,
     layer_diagram,
+    rope_diagram,
+    rope_periods,
     timeline_diagram,
 )
 
@@ -151,3 +154,21 @@ def test_the_paged_cache_animation_frame_has_alt_text():
     html = block_table_animation([[0], [0, 1], [0, 1, 2]], [10, 20, 40], 16, frames=3).data
     assert html.count("<img ") == 1 and '<img alt="The paged KV cache filling' in html
     assert "font-awesome" not in html  # and it still renders offline
+
+
+@pytest.mark.parametrize("cfg", [FULL, SMALL], ids=["full", "small"])
+def test_rope_diagram_labels_its_pairs_periods_from_the_config(cfg):
+    periods = rope_periods(cfg)
+    assert len(periods) == cfg.head_dim // 2 and periods[0] == pytest.approx(2 * math.pi)  # pair 0: 1 radian a step
+    texts = rendered_texts(rope_diagram(cfg, pairs=(0, 4)))
+    assert f"{cfg.head_dim // 2} pairs of a {cfg.head_dim}-dim head, theta = {cfg.rope_theta:g}" in texts
+    assert f"pair 4: a turn per {periods[4]:,.0f} positions" in texts
+    assert "query at position 255" in texts and "query at position 2047" in texts
+
+
+def test_rope_scores_depend_only_on_the_distance():
+    fig = rope_diagram(FULL)
+    near, far = (line.get_ydata() for line in fig.axes[1].get_lines())
+    plt.close(fig)
+    # equal but for the float32 angles (the model's, as transformers'): position x frequency rounds to ~1e-4 rad
+    assert len(near) == 256 and max(abs(a - b) for a, b in zip(near, far)) < 1e-3 < max(abs(near))

@@ -1,8 +1,9 @@
 """Pictures of the ideas, drawn from the configuration: the decoder layer with its shapes, the prefill/decode
-timeline, the KV append and the paged block table. Each function returns a small matplotlib Figure whose labels
+timeline, the KV append, the paged block table and RoPE's rotations. Each function returns a small matplotlib Figure whose labels
 are computed from its arguments (a ModelConfig, lengths, block tables), so the pictures follow config.toml.
 
-Used in chapters 1 ("The pipeline"), 3 ("Inside layer 0"), 5a ("Inference from scratch") and 9 ("Memory").
+Used in chapters 1 ("The pipeline"), 3 ("Inside layer 0"), 5a ("Inference from scratch"), 9 ("Memory") and 14
+("Attention for real models").
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import math
 
 import matplotlib.pyplot as plt
+import torch
 from matplotlib.patches import FancyBboxPatch, Rectangle
 
 from ..config import ModelConfig
+from ..model.rope import rope_cos_sin, rotate_half
 
 PREFILL_COLOR = "#9ecae1"
 DECODE_COLOR = "#fdae6b"
@@ -196,6 +199,48 @@ def block_table_diagram(block_table: list[int], cache_len: int, block_size: int,
                  f"(last one holds {partial}); grey = another sequence", fontsize=9)
     ax.set_xlim(-2.2, len(pool) + 0.2)
     ax.set_ylim(-0.2, 3.0)
+    fig.tight_layout()
+    return fig
+
+
+def rope_periods(cfg: ModelConfig) -> list[float]:
+    """Positions per full turn of each of RoPE's head_dim / 2 rotation pairs: 2 pi / theta^(-2i / head_dim)."""
+    return [2 * math.pi * cfg.rope_theta ** (2 * i / cfg.head_dim) for i in range(cfg.head_dim // 2)]
+
+
+def rope_diagram(cfg: ModelConfig, positions: int = 64, pairs: tuple[int, ...] = (0, 8, 16, 32),
+                 distances: int = 256, query_positions: tuple[int, ...] = (255, 2047), seed: int = 0,
+                 figsize=(7.6, 3.0)):
+    """RoPE drawn from the model's own rotation (kvbook.model.rope). Left: cos of the angle by which each of a few
+    pairs of a head's dimensions turns, against the position (pair 0 turns fastest). Right: the score q . k of one
+    (q, k) pair of random vectors, rotated to their positions, against the distance between them, for queries at
+    several positions: the curves coincide, because the score depends only on the distance."""
+    periods = rope_periods(cfg)
+    fig, (ax_turn, ax_score) = plt.subplots(1, 2, figsize=figsize)
+    steps = torch.arange(positions)
+    for pair in pairs:
+        angle = steps.double() * 2 * math.pi / periods[pair]
+        ax_turn.plot(steps, torch.cos(angle), linewidth=0.9,
+                     label=f"pair {pair}: a turn per {periods[pair]:,.0f} positions")
+    ax_turn.set_xlabel("position")
+    ax_turn.set_ylabel("cos(angle)")
+    ax_turn.set_title(f"{cfg.head_dim // 2} pairs of a {cfg.head_dim}-dim head, theta = {cfg.rope_theta:g}",
+                      fontsize=9)
+    ax_turn.set_ylim(-1.1, 1.9)
+    ax_turn.legend(fontsize=6, loc="upper right", ncols=2)
+    generator = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, cfg.head_dim, generator=generator, dtype=torch.float64)
+    distances = torch.arange(min(distances, min(query_positions) + 1))
+    for position, style in zip(query_positions, ["-", "--", ":", "-."]):
+        cos, sin = rope_cos_sin(torch.tensor([position]), cfg.head_dim, cfg.rope_theta, torch.float64)
+        q_rotated = q * cos[0] + rotate_half(q) * sin[0]
+        cos, sin = rope_cos_sin(position - distances, cfg.head_dim, cfg.rope_theta, torch.float64)
+        k_rotated = k * cos + rotate_half(k) * sin  # [distances, head_dim]
+        ax_score.plot(distances, k_rotated @ q_rotated, style, linewidth=1.2, label=f"query at position {position}")
+    ax_score.set_xlabel("query position - key position")
+    ax_score.set_ylabel("q . k")
+    ax_score.set_title("one (q, k) pair's score: a function of the distance", fontsize=9)
+    ax_score.legend(fontsize=6)
     fig.tight_layout()
     return fig
 
