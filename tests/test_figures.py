@@ -171,4 +171,4 @@ def test_rope_scores_depend_only_on_the_distance():
     near, far = (line.get_ydata() for line in fig.axes[1].get_lines())
     plt.close(fig)
     # equal but for the float32 angles (the model's, as transformers'): position x frequency rounds to ~1e-4 rad
-    assert len(near) == 256 and max(abs(a - b) for a, b in zip(near, far)) < 1e-3 < max(abs(near))
+    assert len(near) == 256 and max(abs(a - b) for a, b in zip(near, far, strict=True)) < 1e-3 < max(abs(near))

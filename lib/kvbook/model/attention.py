@@ -1,7 +1,8 @@
 """Qwen3 self-attention: projections, per-head QK-norm, RoPE, cache write, grouped-query attention.
 
 The order of operations follows transformers' Qwen3Attention with eager attention; the two attention
-products and the softmax run in float32. Explained in chapter 3 ("Inside layer 0"); the cache write in chapters 4 and 5.
+products and the softmax run in float32. Explained in chapter 3 ("Inside layer 0"); the cache write in chapters 4 and 5;
+grouped-query attention at full size in chapter 14.
 
 Shapes: B sequences, T new positions (the prompt's 256 in prefill, 1 in decode), Q of them that ask (T, but 1 in the
 last layer of a prefill, whose other positions' outputs nothing reads), S positions attention reads (the
@@ -19,15 +20,6 @@ from .linear import Linear
 from .norm import RMSNorm
 from .probe import Probe
 from .rope import ApplyRope
-
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, KV, S, D] -> [B, KV * groups, S, D]: each K/V head serves `groups` query heads (GQA)."""
-    if groups == 1:
-        return x
-    batch, kv_heads, length, head_dim = x.shape
-    x = x[:, :, None].expand(batch, kv_heads, groups, length, head_dim)
-    return x.reshape(batch, kv_heads * groups, length, head_dim)
 
 
 class Attention(nn.Module):
@@ -77,11 +69,17 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, mask):
         """q [B, H, Q, D], k and v [B, KV, S, D] -> [B, H, Q, D]."""
+        batch, heads, queries, head_dim = q.shape
+        groups = heads // self.num_kv_heads  # query heads per K/V head (GQA; 1 in the article's model)
+        # The query heads h = kv * groups + g of one K/V head become rows of one product with it: K and V are read
+        # once per K/V head, never copied per query head (transformers' repeat_kv copies them; the same numbers).
+        q = q.reshape(batch, self.num_kv_heads, groups * queries, head_dim)  # [B, KV, G*Q, D]
+        if mask is not None and mask.dim() == 2:
+            mask = mask.repeat(groups, 1)  # [G*Q, S]: each group member's rows take the same causal mask
         # the two products and the softmax run in float32, whatever the cache holds, as transformers' softmax does
-        groups = self.num_heads // self.num_kv_heads
-        k, v = repeat_kv(k, groups).float(), repeat_kv(v, groups).float()  # [B, H, S, D]
-        scores = torch.matmul(q.float(), k.transpose(2, 3)) * self.scaling  # [B, H, Q, S]
+        scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * self.scaling  # [B, KV, G*Q, S]
         if mask is not None:
             scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-        weights = self.attn_weights(torch.softmax(scores, dim=-1))  # [B, H, Q, S], each row sums to 1
-        return torch.matmul(weights, v).to(q.dtype)  # [B, H, Q, D]
+        weights = self.attn_weights(torch.softmax(scores, dim=-1).view(batch, heads, queries, -1))  # [B, H, Q, S]
+        out = torch.matmul(weights.view(scores.shape), v.float())  # [B, KV, G*Q, D]
+        return out.view(batch, heads, queries, head_dim).to(q.dtype)  # [B, H, Q, D]

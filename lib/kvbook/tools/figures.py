@@ -1,9 +1,10 @@
 """Pictures of the ideas, drawn from the configuration: the decoder layer with its shapes, the prefill/decode
-timeline, the KV append, the paged block table and RoPE's rotations. Each function returns a small matplotlib Figure whose labels
-are computed from its arguments (a ModelConfig, lengths, block tables), so the pictures follow config.toml.
+timeline, the KV append, the paged block table and RoPE's rotations. Each function returns a small matplotlib
+Figure whose labels are computed from its arguments (a ModelConfig, lengths, block tables), so the pictures
+follow config.toml.
 
 Used in chapters 1 ("The pipeline"), 3 ("Inside layer 0"), 5a ("Inference from scratch"), 9 ("Memory") and 14
-("Attention for real models").
+("Attention in real models").
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def rope_diagram(cfg: ModelConfig, positions: int = 64, pairs: tuple[int, ...] =
     generator = torch.Generator().manual_seed(seed)
     q, k = torch.randn(2, cfg.head_dim, generator=generator, dtype=torch.float64)
     distances = torch.arange(min(distances, min(query_positions) + 1))
-    for position, style in zip(query_positions, ["-", "--", ":", "-."]):
+    for position, style in zip(query_positions, ["-", "--", ":", "-."] * len(query_positions), strict=False):
         cos, sin = rope_cos_sin(torch.tensor([position]), cfg.head_dim, cfg.rope_theta, torch.float64)
         q_rotated = q * cos[0] + rotate_half(q) * sin[0]
         cos, sin = rope_cos_sin(position - distances, cfg.head_dim, cfg.rope_theta, torch.float64)
