@@ -201,7 +201,7 @@ class Engine:
         tracer: a kvbook.tools.trace.Tracer to record shapes, cache lengths and timings of every step.
         """
         scheduler = Scheduler(self, max_num_seqs=1)
-        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer, top_k)
+        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer=tracer, top_k=top_k)
         yield from self._run_alone(scheduler, seq)
 
     def _run_alone(self, scheduler: Scheduler, seq):
@@ -245,7 +245,7 @@ class Engine:
         """Run stream()'s loop to the end -> the Generation, with the sequence's own finish reason. on_step: called
         with each Step as it comes (the CLI prints each token's text while the rest is computed)."""
         scheduler = Scheduler(self, max_num_seqs=1)
-        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer, top_k)
+        seq = scheduler.add(input_ids, max_new_tokens, temperature, top_p, seed, ignore_eos, tracer=tracer, top_k=top_k)
         for step in self._run_alone(scheduler, seq):
             if on_step is not None:
                 on_step(step)

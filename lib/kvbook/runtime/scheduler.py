@@ -75,7 +75,7 @@ class Scheduler:
             max_new_tokens = self.engine.config.inference.output_len
         self.engine.check_request(len(prompt), max_new_tokens)
         check_token_ids(prompt, self.engine.config.model.vocab_size)
-        seq = Sequence(self._next_id, list(prompt), max_new_tokens, temperature, top_p, seed, ignore_eos, top_k,
+        seq = Sequence(self._next_id, list(prompt), max_new_tokens, temperature, top_p, seed, ignore_eos, top_k=top_k,
                        generator=self.engine.sampling_generator(temperature, top_p, seed, top_k), tracer=tracer)
         self._next_id += 1
         self.waiting.append(seq)

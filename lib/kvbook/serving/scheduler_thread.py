@@ -51,10 +51,10 @@ class Sampling:
 
     @classmethod
     def of(cls, body: ChatCompletionRequest, default_max_tokens: int) -> Sampling:
-        return cls(body.new_tokens or default_max_tokens,
-                   1.0 if body.temperature is None else body.temperature,
-                   1.0 if body.top_p is None else body.top_p, body.seed, bool(body.ignore_eos),
-                   tuple(body.stop_strings), body.top_k or 0)
+        return cls(max_tokens=body.new_tokens or default_max_tokens,
+                   temperature=1.0 if body.temperature is None else body.temperature,
+                   top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                   ignore_eos=bool(body.ignore_eos), stop=tuple(body.stop_strings), top_k=body.top_k or 0)
 
 
 class SchedulerThread:

@@ -9,6 +9,7 @@ Used in chapters 1 ("The pipeline"), 3 ("Inside layer 0"), 5a ("Inference from s
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import matplotlib.pyplot as plt
@@ -232,7 +233,7 @@ def rope_diagram(cfg: ModelConfig, positions: int = 64, pairs: tuple[int, ...] =
     generator = torch.Generator().manual_seed(seed)
     q, k = torch.randn(2, cfg.head_dim, generator=generator, dtype=torch.float64)
     distances = torch.arange(min(distances, min(query_positions) + 1))
-    for position, style in zip(query_positions, ["-", "--", ":", "-."] * len(query_positions), strict=False):
+    for position, style in zip(query_positions, itertools.cycle(["-", "--", ":", "-."])):
         cos, sin = rope_cos_sin(torch.tensor([position]), cfg.head_dim, cfg.rope_theta, torch.float64)
         q_rotated = q * cos[0] + rotate_half(q) * sin[0]
         cos, sin = rope_cos_sin(position - distances, cfg.head_dim, cfg.rope_theta, torch.float64)
