@@ -20,6 +20,7 @@ from .linear import Linear
 from .norm import RMSNorm
 from .probe import Probe
 from .rope import ApplyRope
+from .tensor_parallel import sum_over_ranks
 
 
 class Attention(nn.Module):
@@ -65,7 +66,8 @@ class Attention(nn.Module):
                 k, v = cache.append(k, v)  # [B, KV, S, D], S = positions so far
             out = self._attend(q, self.k_cached(k), self.v_cached(v), mask)  # [B, H, Q, D]
         out = out.transpose(1, 2).reshape(batch, queries, self.num_heads * self.head_dim)  # [B, Q, C]
-        return self.o_proj(out)  # [B, Q, C]
+        # under tensor parallelism (kvbook.model.tensor_parallel) a rank's o_proj adds up its own heads only
+        return sum_over_ranks(self.o_proj(out))  # [B, Q, C]
 
     def _attend(self, q, k, v, mask):
         """q [B, H, Q, D], k and v [B, KV, S, D] -> [B, H, Q, D]."""

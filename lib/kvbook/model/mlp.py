@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 from .linear import Linear
 from .probe import Probe
+from .tensor_parallel import sum_over_ranks
 
 
 class MLP(nn.Module):
@@ -23,4 +24,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C]
         gated = self.swiglu(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, I]
-        return self.down_proj(gated)  # [B, T, C]
+        # under tensor parallelism (kvbook.model.tensor_parallel) a rank's down_proj adds up its own I/N columns
+        return sum_over_ranks(self.down_proj(gated))  # [B, T, C]

@@ -178,6 +178,10 @@ class Scheduler:
         else:
             logits = engine.decode([seq.steps[-1].token_id for seq in batch], [seq.cache for seq in batch],
                                    self.batched)  # [B, 1, vocab]
+        return self._sample(logits, batch)
+
+    def _sample(self, logits, batch: list[Sequence]) -> list[int]:
+        """logits [B, 1, vocab] -> each sequence's next token, with its own options and generator."""
         return [sample_next(logits[b, -1], seq.temperature, seq.top_p, seq.generator, seq.top_k)
                 for b, seq in enumerate(batch)]
 

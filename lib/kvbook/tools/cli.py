@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed of the sampling generator")
     gen.add_argument("--ignore-eos", action="store_true", help="always produce max-new-tokens tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    gen.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                     help="split the model over N processes, one per GPU or CPU core (default: 1, no split)")
 
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     _common(serve)
@@ -263,6 +265,9 @@ def cmd_generate(config: Config, args) -> None:
         input_ids = _parse_ints(args.input_ids, "--input-ids", "comma-separated integers", "9707,1879")
     else:
         input_ids = build_prompt_ids(config.inference.input_len, tokenizer)
+    if args.tensor_parallel != 1:
+        _generate_on_ranks(config, args, input_ids, tokenizer)
+        return
     if args.checkpoint:  # its vocabulary is its config.json's: the engine checks the ids against it
         engine = Engine.from_checkpoint(config, args.checkpoint, args.num_layers)
     else:
@@ -291,6 +296,47 @@ def cmd_generate(config: Config, args) -> None:
           f"{run.finish_reason}, cache_len {run.cache_len}, TTFT {run.ttft_ms:.1f} ms, TPOT {tpot}, "
           f"{engine.device}; prefill in {str(engine.prefill_dtype).removeprefix('torch.')}, decode in "
           f"{str(engine.decode_dtype).removeprefix('torch.')}: see --json for why]", file=sys.stderr)
+
+
+def _generate_on_ranks(config: Config, args, input_ids: list[int], tokenizer) -> None:
+    """generate --tensor-parallel N: the same request on N ranks (kvbook.runtime.ranks); rank 0's tokens as they
+    come, each rank's readiness on stderr."""
+    from ..runtime import ranks
+    from ..runtime.sequence import check_token_ids
+    from ..serving.text_stream import TextStream
+
+    if args.num_layers is not None:
+        raise ConfigError("--num-layers does not combine with --tensor-parallel")
+    if not args.checkpoint:
+        check_token_ids(input_ids, config.model.vocab_size)
+    text_stream = TextStream(tokenizer, stop=[])
+    ready = {}
+
+    def show(rank: int, message: tuple) -> None:
+        kind, value = message
+        if kind == "ready":
+            ready[rank] = value
+            if not args.json:
+                print(f"[rank {rank} of {args.tensor_parallel}: pid {value['pid']}, ready in "
+                      f"{value['ready_s']:.1f} s]", file=sys.stderr, flush=True)
+        elif not args.json:
+            print(text_stream.add(value), end="", flush=True)
+
+    run = ranks.generate(config, input_ids, args.tensor_parallel, checkpoint=args.checkpoint, on_message=show,
+                         progress=not args.json, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    if args.json:
+        print(json.dumps({"input_ids": input_ids, "output_ids": run.output_ids,
+                          "text": tokenizer.decode(run.output_ids), "finish_reason": run.finish_reason,
+                          "cache_len": run.cache_len, "ttft_ms": run.ttft_ms, "tpot_ms": run.tpot_ms,
+                          "tensor_parallel": args.tensor_parallel,
+                          "ready_s": [ready[rank]["ready_s"] for rank in sorted(ready)]}))
+        return
+    print(text_stream.finish())
+    tpot = f"{run.tpot_ms:.1f} ms" if run.tpot_ms is not None else "-"
+    print(f"[{len(input_ids)} prompt + {len(run.output_ids)} generated tokens on {args.tensor_parallel} ranks, "
+          f"finish_reason {run.finish_reason}, cache_len {run.cache_len}, TTFT {run.ttft_ms:.1f} ms, TPOT {tpot}]",
+          file=sys.stderr)
 
 
 def _flag_overrides(args) -> list[str]:
