@@ -15,6 +15,7 @@ from kvbook.tools.figures import (
     layer_diagram,
     rope_diagram,
     rope_periods,
+    tensor_parallel_diagram,
     timeline_diagram,
 )
 
@@ -172,3 +173,15 @@ def test_rope_scores_depend_only_on_the_distance():
     plt.close(fig)
     # equal but for the float32 angles (the model's, as transformers'): position x frequency rounds to ~1e-4 rad
     assert len(near) == 256 and max(abs(a - b) for a, b in zip(near, far, strict=True)) < 1e-3 < max(abs(near))
+
+
+@pytest.mark.parametrize("cfg, world_size", [(FULL, 2), (SMALL, 2), (FULL, 4)], ids=["full-2", "small-2", "full-4"])
+def test_tensor_parallel_diagram_gives_each_rank_its_heads_and_columns(cfg, world_size):
+    texts = rendered_texts(tensor_parallel_diagram(cfg, world_size))
+    heads, width = cfg.num_attention_heads // world_size, cfg.intermediate_size // world_size
+    last = world_size - 1
+    assert f"q/k/v_proj: query heads {last * heads}-{cfg.num_attention_heads - 1}" in texts
+    assert f"K/V cache [1, {cfg.num_key_value_heads // world_size}, T, {cfg.head_dim}]" in texts
+    assert f"gate/up_proj: columns {last * width}-{cfg.intermediate_size - 1}" in texts
+    assert texts.count(f"all-reduce: each rank gets the sum of the {world_size} partial [T, {cfg.hidden_size}]") == 2
+    assert texts.count(f"lm_head: all {cfg.vocab_size:,} rows") == world_size and f"rank {last}" in texts

@@ -1,10 +1,10 @@
 """Pictures of the ideas, drawn from the configuration: the decoder layer with its shapes, the prefill/decode
-timeline, the KV append, the paged block table and RoPE's rotations. Each function returns a small matplotlib
-Figure whose labels are computed from its arguments (a ModelConfig, lengths, block tables), so the pictures
-follow config.toml.
+timeline, the KV append, the paged block table, RoPE's rotations and the tensor-parallel split. Each function
+returns a small matplotlib Figure whose labels are computed from its arguments (a ModelConfig, lengths, block
+tables), so the pictures follow config.toml.
 
-Used in chapters 1 ("The pipeline"), 3 ("Inside layer 0"), 5a ("Inference from scratch"), 9 ("Memory") and 14
-("Attention in real models").
+Used in chapters 1 ("The pipeline"), 3 ("Inside layer 0"), 5a ("Inference from scratch"), 9 ("Memory"), 14
+("Attention in real models") and 15 ("Two devices").
 """
 
 from __future__ import annotations
@@ -243,6 +243,41 @@ def rope_diagram(cfg: ModelConfig, positions: int = 64, pairs: tuple[int, ...] =
     ax_score.set_ylabel("q . k")
     ax_score.set_title("one (q, k) pair's score: a function of the distance", fontsize=9)
     ax_score.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def tensor_parallel_diagram(cfg: ModelConfig, world_size: int = 2, figsize=(7.6, 5.4)):
+    """A decoder layer split over world_size ranks (kvbook.model.tensor_parallel), bottom to top: each rank's
+    column holds its heads, its K/V cache and its slice of the MLP; the two all-reduces per layer span the ranks;
+    the embedding and lm_head are whole on every rank. Sizes from the config, per rank."""
+    heads, kv_heads = cfg.num_attention_heads // world_size, cfg.num_key_value_heads // world_size
+    width, hidden, d = cfg.intermediate_size // world_size, cfg.hidden_size, cfg.head_dim
+    fig, ax = plt.subplots(figsize=figsize)
+    _bare(ax)
+    ax.set_xlim(-0.1, 3.1 * world_size - 0.3)
+    ax.set_ylim(-0.9, 8.9)
+    rows = [  # (y, text of rank r, colour)
+        (0, lambda r: f"embed_tokens: all {cfg.vocab_size:,} rows", NORM_COLOR),
+        (1.2, lambda r: f"q/k/v_proj: query heads {r * heads}-{(r + 1) * heads - 1}\n"
+                        f"[T, {hidden}] -> [T, {heads * d}], 2 x [T, {kv_heads * d}]", OTHER_COLOR),
+        (2.4, lambda r: f"attention over {heads} heads\nK/V cache [1, {kv_heads}, T, {d}]", PREFILL_COLOR),
+        (3.6, lambda r: f"o_proj: [T, {heads * d}] -> [T, {hidden}]\na partial sum", OTHER_COLOR),
+        (5.4, lambda r: f"gate/up_proj: columns {r * width}-{(r + 1) * width - 1}\n"
+                        f"[T, {hidden}] -> [T, {width}]", MLP_COLOR),
+        (6.6, lambda r: f"down_proj: [T, {width}] -> [T, {hidden}]\na partial sum", MLP_COLOR),
+        (8.4, lambda r: f"lm_head: all {cfg.vocab_size:,} rows", NORM_COLOR),
+    ]
+    for rank in range(world_size):
+        x = 1.35 + 3.1 * rank
+        ax.text(x, -0.75, f"rank {rank}", ha="center", fontsize=9, weight="bold")
+        for y, text, color in rows:
+            _box(ax, x, y, 2.7, 0.8, text(rank), color, fontsize=7)
+    reduce = f"all-reduce: each rank gets the sum of the {world_size} partial [T, {hidden}]"
+    for y in (4.5, 7.5):  # across every column
+        _box(ax, 1.35 + 1.55 * (world_size - 1), y, 3.1 * (world_size - 1) + 2.7, 0.45, reduce, DECODE_COLOR,
+             fontsize=7)
+    ax.set_title(f"one of {cfg.num_hidden_layers} layers on {world_size} ranks (T new positions)", fontsize=9)
     fig.tight_layout()
     return fig
 
