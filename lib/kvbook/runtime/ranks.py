@@ -65,7 +65,8 @@ def launch(config: Config, world_size: int, work, *args, checkpoint: str | None 
     """Start world_size ranks, each building its engine and running work(engine, send, *args) -> every rank's
     result, rank 0's first. send(*payload) from a rank calls on_message(rank, payload) here, as it comes.
     timeout_s bounds every collective: a rank left waiting on a peer that stopped answering fails after it."""
-    device = resolve_device(config.inference.device)
+    device = resolve_device(config.inference.device)  # its notice (no CUDA here) once, not once per rank
+    config = config.replace(inference={"device": device.type})
     check_world_size(world_size, device)
     rank_config(config.model, world_size)  # a split that does not divide fails here, before any process starts
     if checkpoint is None:  # draw the weights once, here, if no cache has them: the ranks then map the same file
@@ -167,13 +168,13 @@ def rank_facts(engine, send, prompt: list[int]) -> dict:
     return facts
 
 
-def prefill_logits(engine, send, prompt: list[int]):
-    """The logits of every prompt position, a float32 numpy array [1, T, vocab] (sent by value: a tensor would go
-    through shared memory, which the rank's exit takes away)."""
+def prefill_logits(engine, send, prompt: list[int], last_only: bool = False):
+    """The logits of every prompt position (or the last one's), a float32 numpy array [1, T or 1, vocab] (sent by
+    value: a tensor would go through shared memory, which the rank's exit takes away)."""
     ids = torch.tensor([prompt], device=engine.device)
     with torch.inference_mode():
         logits = engine.model(ids, torch.arange(len(prompt), device=engine.device), engine.new_cache(),
-                              last_only=False, compute_dtype=engine.prefill_dtype)
+                              last_only=last_only, compute_dtype=engine.prefill_dtype)
     return logits.float().cpu().numpy()
 
 
