@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM or Ctrl-C, let running requests finish this long, then end them with an "
                             "error (default: %(default)s)")
 
+    export = commands.add_parser("export", help="write the model as a Hugging Face Qwen3 directory")
+    _common(export)
+    export.add_argument("--format", choices=["hf"], required=True, help="hf: config.json + model.safetensors")
+    export.add_argument("target", metavar="DIR", help="a new (or empty) directory")
+    export.add_argument("--checkpoint", metavar="SRC", help="export this local checkpoint instead of the random "
+                        "weights of the config")
+    export.add_argument("--num-layers", type=int, help="with --checkpoint: keep only the first N layers")
+
     bench = commands.add_parser("bench", help="measure TTFT, TPOT, model-ready time, memory and the decode floor")
     _common(bench)
     bench.add_argument("--against", choices=["transformers"], help="measure transformers' Qwen3ForCausalLM too")
@@ -339,6 +347,29 @@ def _generate_on_ranks(config: Config, args, input_ids: list[int], tokenizer) ->
           file=sys.stderr)
 
 
+def cmd_export(config: Config, args) -> None:
+    from ..device import TORCH_DTYPES
+    from ..model.weights import checkpoint_config, load_checkpoint, load_random_weights, wait_for_saves
+    from .export import export_hf
+
+    if args.num_layers is not None and not args.checkpoint:
+        raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
+    dtype = TORCH_DTYPES[config.inference.dtype]
+    if args.checkpoint:
+        model = checkpoint_config(args.checkpoint, args.num_layers)
+        weights = load_checkpoint(args.checkpoint, model, dtype)
+    else:
+        model, weights = config.model, load_random_weights(config.model, dtype)
+    directory = export_hf(model, weights, args.target)
+    wait_for_saves()  # random weights drawn for the first time: their cache file too
+    size = (directory / "model.safetensors").stat().st_size
+    layers = f"{model.num_hidden_layers} layer{'s' if model.num_hidden_layers > 1 else ''}"
+    print(f"wrote {directory}: config.json, generation_config.json, model.safetensors ({size / 1e9:.2f} GB, "
+          f"{config.inference.dtype}, {layers})")
+    print(f"run it: vllm serve {directory} --tokenizer Qwen/Qwen3-0.6B   (no tokenizer files are written: "
+          "kvbook's vocabulary is Qwen3's, any Qwen3 tokenizer reads it)")
+
+
 def _flag_overrides(args) -> list[str]:
     """--dtype and --device are shorthands for --set overrides (the cache follows the model's dtype)."""
     extra = []
@@ -349,7 +380,8 @@ def _flag_overrides(args) -> list[str]:
     return extra
 
 
-COMMANDS = {"trace": cmd_trace, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}
+COMMANDS = {"trace": cmd_trace, "generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
+            "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:
