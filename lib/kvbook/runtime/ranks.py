@@ -168,13 +168,12 @@ def rank_facts(engine, send, prompt: list[int]) -> dict:
     return facts
 
 
-def prefill_logits(engine, send, prompt: list[int], last_only: bool = False):
-    """The logits of every prompt position (or the last one's), a float32 numpy array [1, T or 1, vocab] (sent by
+def prefill_logits(engine, send, prompt: list[int]):
+    """The logits of the prompt's last position after its prefill, a float32 numpy array [1, 1, vocab] (sent by
     value: a tensor would go through shared memory, which the rank's exit takes away)."""
-    ids = torch.tensor([prompt], device=engine.device)
-    with torch.inference_mode():
-        logits = engine.model(ids, torch.arange(len(prompt), device=engine.device), engine.new_cache(),
-                              last_only=last_only, compute_dtype=engine.prefill_dtype)
+    cache = engine.new_cache()
+    logits, _ = engine.prefill(cache, prompt)
+    engine.release_cache(cache)
     return logits.float().cpu().numpy()
 
 
