@@ -12,10 +12,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test book chapters lint venv clean
 
+# llama.cpp is compiled for this CPU, without its AMX int8 kernels: with them, Q8_0 (and llama.cpp's own Q8_0
+# files) crashed with a segmentation fault in the first llama_decode on an AMX Xeon (llama.cpp issue 20824)
+LLAMA_CMAKE_ARGS := -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8
+
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip check
 	touch $(STAMP)
 

@@ -12,7 +12,8 @@ from kvbook.config import Config, ModelConfig, load_config
 from kvbook.kernels import Phase, choose, fbgemm_available
 from kvbook.kernels.layers import onednn_available
 from kvbook.runtime.engine import Engine
-from kvbook.tools.bench import decode_weight_bytes, paired_summary, ratios, read_spread_note
+from kvbook.tools.bench import decode_weight_bytes, format_table, paired_summary, ratios, read_spread_note
+from kvbook.tools.llama_cpp_peer import decode_bytes
 from kvbook.tools.measure import READ_LOOPS, read_bandwidth_gbps
 from kvbook.tools.roofline import prefill_flops
 
@@ -256,3 +257,45 @@ def test_a_run_whose_plain_read_moved_says_what_the_slowest_sample_gives():
     assert "floor is 73.6 ms and TPOT 1.40 x it" in note
     steady = {"read_gbps_samples": [35.4, 33.7, 33.2], "memory_floor_at_slowest_read_ms": 74.5}
     assert read_spread_note(86.1, steady) is None  # 1.07 x apart: the best sample is the machine's
+
+
+def test_llama_cpp_decode_bytes_are_the_gguf_tensors_a_step_reads(weight_cache):
+    """The floor's bytes, counted from the shapes, equal what the exported file stores: every tensor but the
+    embedding table, of which a step reads one row."""
+    import gguf
+    from kvbook.tools.llama_cpp_peer import decode_bytes, gguf_path
+
+    tiny = load_config("config.toml", TINY_SETTINGS)
+    for gguf_type in ("f16", "q8_0"):
+        tensors = {t.name: t for t in gguf.GGUFReader(gguf_path(tiny, gguf_type)).tensors}
+        embedding = tensors.pop("token_embd.weight")
+        row = int(embedding.n_bytes) // tiny.model.vocab_size
+        assert decode_bytes(tiny, gguf_type) == sum(int(t.n_bytes) for t in tensors.values()) + row
+
+
+def test_bench_against_llama_cpp_on_a_tiny_model(tmp_path):
+    import os
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    result = subprocess.run([sys.executable, "-m", "kvbook", "bench", "--json", "--steps", "2", "--repeats", "1",
+                             "--rounds", "1", "--paired-rounds", "0", "--no-cold", "--against", "llama.cpp", *TINY],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = json.loads(result.stdout)
+    assert set(out["transformers_by_dtype"]) == {"float32", "bfloat16"}  # transformers runs beside llama.cpp
+    peers = out["llama_cpp_by_type"]
+    assert set(peers) == {"f16", "q8_0"} and [p["label"] for p in peers.values()] == ["llama.cpp F16",
+                                                                                     "llama.cpp Q8_0"]
+    tiny = load_config("config.toml", TINY_SETTINGS)
+    kv_float16 = 2 * 1 * 2 * 16 * 2 * (256 + 1.5)  # llama.cpp's float16 cache at the mean of 2 steps' positions
+    for gguf_type, peer in peers.items():
+        assert peer["ttft_ms"] > 0 and peer["tpot_ms"] > 0 and peer["peak_rss_mb"] > 0 and peer["build_s"] > 0
+        assert peer["decode_bytes"] == decode_bytes(tiny, gguf_type) + kv_float16
+        assert peer["memory_floor_ms"] == pytest.approx(peer["decode_bytes"] / out["floors"]["read_gbps"] / 1e6)
+        assert peer["tpot_vs_memory_floor"] == pytest.approx(peer["tpot_ms"] / peer["memory_floor_ms"])
+        assert len(peer["tpot_vs_round_floor_runs"]) == 1 and peer["threads"] >= 1
+    assert peers["q8_0"]["gguf_bytes"] < peers["f16"]["gguf_bytes"]
+    assert "llama.cpp's GGUF files (exported once into the weight cache)" in result.stderr
+    table = format_table(out).splitlines()
+    header = [line for line in table if line.startswith(" ") and line.split()[0] == "kvbook"]
+    assert header[0].split()[-4:] == ["llama.cpp", "F16", "llama.cpp", "Q8_0"]
+    assert sum(line.startswith("llama.cpp Q8_0 (") and "x its memory floor" in line for line in table) == 1

@@ -19,6 +19,8 @@ Each party runs in its own process, so that one's memory and caches do not colou
   engine       kvbook from the weight cache, and (unless --no-cold) from an empty one, 3 times
   transformers Qwen3ForCausalLM built from a Qwen3Config, random init, prefill then step-by-step decode, in the
                config's dtype and in bfloat16
+  llama.cpp    (--against llama.cpp, beside transformers) the model exported to GGUF F16 and Q8_0, through
+               llama-cpp-python (kvbook.tools.llama_cpp_peer), a plain read after each of its runs
 and last, on purpose in one process (TPOT only; --paired-rounds):
   paired       the engine and transformers' faster decode dtype, alternating, so that both meet the same minutes,
                with a plain read beside each of the engine's runs: its TPOT against the floor of its own minutes
@@ -45,6 +47,7 @@ from ..kernels import fbgemm_available
 from ..kernels.choice import LABELS, dtype_name
 from ..model.quant import int8_weight_bytes
 from ..model.weights import expected_shapes
+from .llama_cpp_peer import GGUF_LABELS, decode_bytes, llama_cpp_worker
 from .measure import (
     candidates,
     cpu_identity,
@@ -300,7 +303,8 @@ def roofline_worker(config: Config, repeats: int, steps: int) -> dict:
 
 
 WORKERS = {"probe": probe_worker, "machine": machine_worker, "engine": engine_worker,
-           "transformers": transformers_worker, "paired": paired_worker, "roofline": roofline_worker}
+           "transformers": transformers_worker, "paired": paired_worker, "roofline": roofline_worker,
+           "llama.cpp": llama_cpp_worker}
 
 
 def peer_dtypes(config: Config) -> list[str]:
@@ -356,12 +360,15 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     rounds = rounds if against else 1
     paired_rounds = paired_rounds if against else 0
     peers = peer_dtypes(config) if against else []
+    gguf_types = list(GGUF_LABELS) if against == "llama.cpp" else []  # llama.cpp beside transformers, not instead
     stages = ["the machine: plain read and kernels"]
+    stages += ["llama.cpp's GGUF files (exported once into the weight cache)"] if gguf_types else []
     for r in range(1, rounds + 1):
-        stages += [f"engine (weights from the cache), round {r}"] + [f"{against} {d}, round {r}" for d in peers]
+        stages += [f"engine (weights from the cache), round {r}"] + [f"transformers {d}, round {r}" for d in peers]
+        stages += [f"llama.cpp {GGUF_LABELS[t]}, round {r}" for t in gguf_types]
         stages += [f"engine (empty cache), {COLD_RUNS} runs"] if cold and r == 1 else []
     if paired_rounds:
-        stages.append(f"engine and {against} (its faster decode) alternating in one process, {paired_rounds} rounds")
+        stages.append(f"engine and transformers (its faster decode) alternating in one process, {paired_rounds} rounds")
     stage = iter(range(1, len(stages) + 1))
 
     def announce() -> None:
@@ -371,7 +378,12 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     announce()
     machine = _run_worker("machine", config_path, overrides, 10, steps)
     _run_worker("engine", config_path, overrides, 0, 1)  # the weight cache exists (not timed)
+    if gguf_types:
+        announce()
+        for gguf_type in gguf_types:
+            _run_worker(f"llama.cpp:{gguf_type}", config_path, overrides, 0, 1)
     engine_rounds, peer_rounds, cold_runs = [], {d: [] for d in peers}, []
+    llama_rounds = {t: [] for t in gguf_types}
     reads = [machine["read_gbps"]]
     products = [machine["peak_gflops"]]  # GFLOP/s of the fastest kernel's 256-row product, sampled with each read
     read_loops = [machine["read_loop"]]  # which plain read streamed fastest in each sample
@@ -381,6 +393,14 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         for dtype in peers:
             announce()
             peer_rounds[dtype].append(_run_worker(f"transformers:{dtype}", config_path, overrides, repeats, steps))
+        for gguf_type in gguf_types:
+            announce()
+            runs = _run_worker(f"llama.cpp:{gguf_type}", config_path, overrides, repeats, steps)
+            probe = _run_worker("probe", config_path, overrides, 10, 1)  # the memory's speed in its minutes
+            runs["read_gbps"] = probe["probe_gbps"]
+            reads.append(probe["probe_gbps"])
+            read_loops.append(probe["probe_loop"])
+            llama_rounds[gguf_type].append(runs)
         probe = _run_worker(f"probe:{machine['peak_gflops_dtype']}", config_path, overrides, 10, 1)
         reads.append(probe["probe_gbps"])
         read_loops.append(probe["probe_loop"])
@@ -459,8 +479,30 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
             "build_s": by_dtype[best_build]["build_s"], "build_dtype": best_build,
             "peak_rss_mb": by_dtype[best_tpot]["peak_rss_mb"], "peak_memory_mb": by_dtype[best_tpot]["peak_memory_mb"],
             "ttft_spread": by_dtype[best_ttft]["ttft_spread"], "tpot_spread": by_dtype[best_tpot]["tpot_spread"]}
+    if gguf_types:
+        result["llama_cpp_by_type"] = {t: llama_cpp_summary(config, runs, t, steps, read_gbps, compute_floor_ms)
+                                       for t, runs in llama_rounds.items()}
     result["ratios"] = ratios(result)
     return result
+
+
+def llama_cpp_summary(config: Config, runs: list[dict], gguf_type: str, steps: int, read_gbps: float,
+                      compute_floor_ms: float) -> dict:
+    """One llama.cpp type's rounds -> medians, each against its floors: the memory floor of its own bytes (its
+    matrices as stored, its float16 K/V), at the bench's best read and at the read right after each round's runs
+    (a process of its own: the read's 1 GiB stays out of llama.cpp's RSS)."""
+    peer = _merge(runs)
+    kv_read = decode_kv_bytes(config.replace(kv_cache={"cache_dtype": "float16"}), steps)  # llama.cpp's default
+    floor_bytes = decode_bytes(config, gguf_type) + kv_read
+    vs_round = [t / (floor_bytes / (r["read_gbps"] * 1e9) * 1e3) for r in runs for t in r["tpot_runs"]]
+    memory_floor_ms = floor_bytes / (read_gbps * 1e9) * 1e3
+    return {key: peer[key] for key in ("build_s", "ttft_ms", "tpot_ms", "peak_rss_mb", "ttft_spread", "tpot_spread",
+                                       "threads", "gguf_bytes", "llama_cpp", "system_info")} | {
+        "label": f"llama.cpp {GGUF_LABELS[gguf_type]}", "peak_memory_mb": peer["peak_rss_mb"],
+        "decode_bytes": floor_bytes, "memory_floor_ms": memory_floor_ms,
+        "tpot_vs_memory_floor": peer["tpot_ms"] / memory_floor_ms,
+        "ttft_vs_compute_floor": peer["ttft_ms"] / compute_floor_ms,
+        "tpot_vs_round_floor_runs": vs_round, "tpot_vs_round_floor_median": statistics.median(vs_round)}
 
 
 def run_batch_sweep(config: Config, config_path: str, overrides: list[str], sizes: list[int], steps: int = 8,
@@ -619,16 +661,18 @@ def read_spread_note(tpot_ms: float, floors: dict) -> str | None:
 def format_table(r: dict) -> str:
     by_dtype = r.get("transformers_by_dtype", {})
     peers = list(by_dtype)
+    columns = {f"transformers {d}": by_dtype[d] for d in peers}
+    columns |= {p["label"]: p for p in r.get("llama_cpp_by_type", {}).values()}
     lines = [f"kvbook bench on {r['device']} ({r['machine'].get('cpu') or r['machine'].get('gpu')}, "
              f"{r['machine']['cpu_count']} CPUs), {r['dtype']} weights; prompt {r['input_len']}, {r['decode_steps']} "
              f"decode steps x {r['repeats']} runs x {r['rounds']} rounds (medians)"
              + ("; decode through CUDA graphs" if r.get("cuda_graphs") else "")]
     lines += ["kernels (kvbook.kernels):"] + [f"  {line}" for line in r["phases_text"]]
-    lines.append(f"{'':28s}{'kvbook':>12s}" + "".join(f"{'transformers ' + d:>24s}" for d in peers))
+    lines.append(f"{'':28s}{'kvbook':>12s}" + "".join(f"{name:>24s}" for name in columns))
 
     def row(label, ours, key, fmt):
         lines.append(f"{label:28s}{fmt.format(ours):>12s}"
-                     + "".join(f"{fmt.format(by_dtype[d][key]):>24s}" for d in peers))
+                     + "".join(f"{fmt.format(peer[key]):>24s}" for peer in columns.values()))
 
     row("TTFT (ms)", r["ttft_ms"], "ttft_ms", "{:.1f}")
     row("TPOT (ms)", r["tpot_ms"], "tpot_ms", "{:.2f}")
@@ -669,6 +713,11 @@ def format_table(r: dict) -> str:
     for d in peers:
         lines.append(f"transformers {d}: TTFT {by_dtype[d]['ttft_vs_compute_floor']:.2f} x compute floor, TPOT "
                      f"{by_dtype[d]['tpot_vs_memory_floor']:.2f} x memory floor")
+    for p in r.get("llama_cpp_by_type", {}).values():
+        lines.append(f"{p['label']} ({p['llama_cpp']}, {p['threads']} threads, {p['gguf_bytes'] / 1e9:.2f} GB file): "
+                     f"TTFT {p['ttft_vs_compute_floor']:.2f} x compute floor, TPOT {p['tpot_vs_memory_floor']:.2f} x "
+                     f"its memory floor ({p['memory_floor_ms']:.1f} ms = {p['decode_bytes'] / 1e9:.3f} GB a step), "
+                     f"{p['tpot_vs_round_floor_median']:.2f} x at the read beside each run (median)")
     lines.append(f"KV cache after prefill: {r['kv_cache_bytes']} bytes (formula {r['kv_cache_bytes_formula']})")
     lines.append("ratios (goals: BENCHMARKS.md):")
     for name, value in r["ratios"].items():

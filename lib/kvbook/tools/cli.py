@@ -67,17 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM or Ctrl-C, let running requests finish this long, then end them with an "
                             "error (default: %(default)s)")
 
-    export = commands.add_parser("export", help="write the model as a Hugging Face Qwen3 directory")
+    export = commands.add_parser("export", help="write the model for another engine: a Hugging Face Qwen3 "
+                                 "directory or a GGUF file for llama.cpp")
     _common(export)
-    export.add_argument("--format", choices=["hf"], required=True, help="hf: config.json + model.safetensors")
-    export.add_argument("target", metavar="DIR", help="a new (or empty) directory")
+    export.add_argument("--format", choices=["hf", "gguf"], required=True,
+                        help="hf: a directory (config.json + model.safetensors); gguf: one file for llama.cpp")
+    export.add_argument("target", metavar="PATH", help="hf: a new (or empty) directory; gguf: a new file")
+    export.add_argument("--type", help="gguf: how the matrices are stored: f16 (default), q8_0 or f32")
     export.add_argument("--checkpoint", metavar="SRC", help="export this local checkpoint instead of the random "
                         "weights of the config")
     export.add_argument("--num-layers", type=int, help="with --checkpoint: keep only the first N layers")
 
     bench = commands.add_parser("bench", help="measure TTFT, TPOT, model-ready time, memory and the decode floor")
     _common(bench)
-    bench.add_argument("--against", choices=["transformers"], help="measure transformers' Qwen3ForCausalLM too")
+    bench.add_argument("--against", choices=["transformers", "llama.cpp"],
+                       help="measure transformers' Qwen3ForCausalLM too; llama.cpp: and llama.cpp's F16 and Q8_0 "
+                            "on the exported GGUF")
     bench.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up (default: %(default)s)")
     bench.add_argument("--steps", type=int, default=32, help="decode steps per run (default: %(default)s)")
     bench.add_argument("--rounds", type=int, default=2,
@@ -350,20 +355,28 @@ def _generate_on_ranks(config: Config, args, input_ids: list[int], tokenizer) ->
 def cmd_export(config: Config, args) -> None:
     from ..device import TORCH_DTYPES
     from ..model.weights import checkpoint_config, load_checkpoint, load_random_weights, wait_for_saves
-    from .export import export_hf
+    from .export import check_gguf, export_gguf, export_hf
 
     if args.num_layers is not None and not args.checkpoint:
         raise ConfigError("--num-layers needs --checkpoint (for random weights use --set model.num_hidden_layers=N)")
+    if args.type and args.format != "gguf":
+        raise ConfigError("--type is for --format gguf (an hf export keeps [inference] dtype)")
     dtype = TORCH_DTYPES[config.inference.dtype]
-    if args.checkpoint:
-        model = checkpoint_config(args.checkpoint, args.num_layers)
-        weights = load_checkpoint(args.checkpoint, model, dtype)
-    else:
-        model, weights = config.model, load_random_weights(config.model, dtype)
-    directory = export_hf(model, weights, args.target)
-    wait_for_saves()  # random weights drawn for the first time: their cache file too
-    size = (directory / "model.safetensors").stat().st_size
+    model = checkpoint_config(args.checkpoint, args.num_layers) if args.checkpoint else config.model
+    if args.format == "gguf":
+        check_gguf(model, args.type or "f16")  # before reading gigabytes of weights
+    weights = load_checkpoint(args.checkpoint, model, dtype) if args.checkpoint else load_random_weights(model, dtype)
     layers = f"{model.num_hidden_layers} layer{'s' if model.num_hidden_layers > 1 else ''}"
+    if args.format == "gguf":
+        path = export_gguf(model, weights, args.target, args.type or "f16", progress=True)
+        wait_for_saves()  # random weights drawn for the first time: their cache file too
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {args.type or 'f16'}, {layers}, Qwen's "
+              "vocabulary and chat template)")
+        print(f"run it: llama-cli -m {path}   (or: python -m llama_cpp.server --model {path})")
+        return
+    directory = export_hf(model, weights, args.target)
+    wait_for_saves()
+    size = (directory / "model.safetensors").stat().st_size
     print(f"wrote {directory}: config.json, generation_config.json, model.safetensors ({size / 1e9:.2f} GB, "
           f"{config.inference.dtype}, {layers})")
     print(f"run it: vllm serve {directory} --tokenizer Qwen/Qwen3-0.6B   (no tokenizer files are written: "
