@@ -12,6 +12,7 @@ from kvbook.runtime.engine import Engine
 from kvbook.tokenizer import ENDOFTEXT_ID, IM_END_ID
 from kvbook.tools import export
 from kvbook.tools.export import export_hf
+from kvbook.tools.llama_cpp_peer import teacher_forced_logits
 
 from .conftest import small_config
 from .test_cli import TINY, kvbook
@@ -75,11 +76,8 @@ LLAMA_CPP_TOLERANCE = 5e-3
 
 
 def llama_cpp_logits(path, ids: list[int]) -> torch.Tensor:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, n_threads=2, verbose=False)
-    llm.eval(ids)
-    return torch.tensor(llm.scores[:len(ids)])
+    """llama.cpp's logits at every position of ids."""
+    return teacher_forced_logits(path, ids[:1], ids[1:])
 
 
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:

@@ -119,7 +119,7 @@ def _dtype_size(config: Config) -> int:
 # ---- workers: each prints one JSON line ---------------------------------------------------------------
 
 def probe_worker(config: Config, repeats: int, kernel_label: str | None = None) -> dict:
-    """The best plain read bandwidth of the engine's device, in GB/s (kvbook.tools.measure.read_bandwidth_gbps),
+    """The best plain read bandwidth of the engine's device (kvbook.tools.measure.read_bandwidth_gbps),
     and with kernel_label (one of the kernel table's) the 256-row product's GFLOP/s through that kernel."""
     device = resolve_device(config.inference.device)
     read = read_bandwidth_gbps(device, repeats=repeats)

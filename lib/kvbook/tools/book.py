@@ -132,6 +132,20 @@ class DecodeRecording:
                              "probability": [round(v, 4) for v in values.tolist()]})
 
 
+def engines_table(bench: dict) -> pd.DataFrame:
+    """bench --against llama.cpp's result -> one row per engine: TTFT, TPOT, their floors' ratios, start and RSS.
+    kvbook and transformers read the same float16 bytes a step; each llama.cpp file has its own floor."""
+    rows = {"kvbook": {**bench, "build_s": bench["ready_s"], **bench["ratios"]}}
+    rows |= {f"transformers {d}": {**p, "memory_floor_ms": bench["memory_floor_ms"]}
+             for d, p in bench["transformers_by_dtype"].items()}
+    rows |= {p["label"]: p for p in bench.get("llama_cpp_by_type", {}).values()}
+    columns = {"ttft_ms": "TTFT ms", "ttft_vs_compute_floor": "TTFT / compute floor", "tpot_ms": "TPOT ms",
+               "memory_floor_ms": "memory floor ms", "tpot_vs_memory_floor": "TPOT / memory floor",
+               "build_s": "ready s", "peak_rss_mb": "peak RSS MiB"}
+    return pd.DataFrame({name: {label: row[key] for key, label in columns.items()}
+                         for name, row in rows.items()}).T.round(2)
+
+
 def token_label(tokenizer, token_id: int) -> str:
     """A token's text as Python writes it ('\\n' visible), or a note for the ids past the tokenizer's vocabulary:
     the model's 151,936 rows are padded beyond it, and random weights can rank those ids high too."""

@@ -91,3 +91,15 @@ def llama_cpp_worker(config: Config, repeats: int, steps: int, gguf_type: str) -
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "type": gguf_type,
             "gguf_bytes": path.stat().st_size, "llama_cpp": llama_cpp.__version__,
             "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+
+
+def teacher_forced_logits(path: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """llama.cpp's float32 logits [len(tokens) + 1, vocab] on prompt + tokens, as kvbook.tools.quant_cost's:
+    row 0 after the prompt, row i after feeding tokens[i - 1]."""
+    import llama_cpp
+
+    ids = prompt + tokens
+    llm = llama_cpp.Llama(str(path), n_ctx=len(ids) + 8, n_batch=len(ids), logits_all=True,
+                          n_threads=torch.get_num_threads(), verbose=False)
+    llm.eval(ids)
+    return torch.from_numpy(llm.scores[len(prompt) - 1:len(ids)].copy())

@@ -1,5 +1,5 @@
 """A roofline of every op, for prefill and for one decode step: FLOPs and bytes moved computed from shapes and
-dtypes, time measured per module (synchronized), achieved FLOP/s and GB/s, against this machine's measured
+dtypes, time measured per module (synchronized), achieved FLOP/s and bytes/s, against this machine's measured
 peaks. `python -m kvbook bench --roofline --json` prints it; chapter 8 ("Latency") reads the same numbers.
 
 Counting rules (one multiply-add = 2 FLOPs; bytes = what must cross the memory bus at least once):
