@@ -295,6 +295,13 @@ def test_bench_against_llama_cpp_on_a_tiny_model(tmp_path):
         assert len(peer["tpot_vs_round_floor_runs"]) == 1 and peer["threads"] >= 1
     assert peers["q8_0"]["gguf_bytes"] < peers["f16"]["gguf_bytes"]
     assert "llama.cpp's GGUF files (exported once into the weight cache)" in result.stderr
+    from kvbook.tools.book import engines_table
+
+    rows = engines_table(out)  # chapter 8's table
+    assert list(rows.index) == ["kvbook", "transformers float32", "transformers bfloat16", "llama.cpp F16",
+                                "llama.cpp Q8_0"]
+    assert rows.loc["llama.cpp Q8_0", "TPOT ms"] == round(peers["q8_0"]["tpot_ms"], 2)
+    assert rows.loc["transformers float32", "memory floor ms"] == round(out["memory_floor_ms"], 2)
     table = format_table(out).splitlines()
     header = [line for line in table if line.startswith(" ") and line.split()[0] == "kvbook"]
     assert header[0].split()[-4:] == ["llama.cpp", "F16", "llama.cpp", "Q8_0"]

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -65,6 +66,7 @@ def export_hf(cfg: ModelConfig, weights: dict[str, torch.Tensor], directory: str
 GGUF_TYPES = ("f16", "q8_0", "f32")
 QWEN_VOCAB = IM_END_ID + 1  # the ids kvbook's tokenizer produces: the BPE tokens and its three chat tokens
 Q8_0_BLOCK = 32  # Q8_0 stores each row as blocks of 32 int8 numbers and one float16 scale
+GGUF_ROWS = 8192  # rows quantized at a time
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -181,9 +183,13 @@ def export_gguf(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: str | 
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # llama.cpp uses token_embd when there is no output tensor
             stored = gguf.GGMLQuantizationType.F32 if tensor.dim() == 1 else matrix_type
-            array = tensor.detach().to(torch.float16 if stored == gguf.GGMLQuantizationType.F16 else torch.float32)
-            writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)),
-                              gguf.quants.quantize(array.numpy(), stored), raw_dtype=stored)
+            if stored == gguf.GGMLQuantizationType.Q8_0:  # a few thousand rows at a time: small temporaries
+                array = np.concatenate([gguf.quants.quantize(rows.detach().float().numpy(), stored)
+                                        for rows in tensor.split(GGUF_ROWS)])
+            else:  # float16 or float32 as they are: the writer reads the weights' own memory
+                array = tensor.detach().to(torch.float16 if stored == gguf.GGMLQuantizationType.F16
+                                           else torch.float32).numpy()
+            writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), array, raw_dtype=stored)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=progress)
