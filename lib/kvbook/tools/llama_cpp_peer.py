@@ -42,10 +42,9 @@ def decode_bytes(config: Config, gguf_type: str) -> float:
     embedding = shapes.pop("model.embed_tokens.weight")
     if config.model.tie_word_embeddings:
         shapes["lm_head.weight"] = embedding
-    numbers = {len(shape): 0 for shape in shapes.values()}
-    for shape in shapes.values():
-        numbers[len(shape)] += torch.Size(shape).numel()
-    return (numbers[2] + embedding[1]) * BYTES_PER_NUMBER[gguf_type] + numbers.get(1, 0) * 4
+    matrices = sum(torch.Size(shape).numel() for shape in shapes.values() if len(shape) == 2)
+    norms = sum(torch.Size(shape).numel() for shape in shapes.values() if len(shape) == 1)
+    return (matrices + embedding[1]) * BYTES_PER_NUMBER[gguf_type] + norms * 4
 
 
 def llama_cpp_worker(config: Config, repeats: int, steps: int, gguf_type: str) -> dict:
