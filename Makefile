@@ -40,7 +40,7 @@ OTHER_KERNELS := $(if $(shell grep -m1 -ow avx512f /proc/cpuinfo 2>/dev/null),$(
 # The second pass costs a whole chapter run under slower kernels (on an AVX2-only CPU torch's non-vectorised
 # kernels are several times slower), so it runs the two cheapest chapters that print every kind of near-tied
 # output and of logit check: top-5 tokens and a greedy choice checked after prefill (4); logits compared within a
-# stated tolerance and greedy choices checked after prefill and decode steps (7). Chapters 1, 5, 6, 10 and 11
+# stated tolerance and greedy choices checked after prefill and decode steps (7). Chapters 1, 5, 6, 10 and 11a
 # print the same kinds of lines, masked by the same patterns (chapter 6 recomputes in float16, the slowest
 # arithmetic under those kernels).
 TOKEN_CHAPTERS := $(addprefix chapters/,04_prefill.ipynb 07_pitfalls.ipynb)
