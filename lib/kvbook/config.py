@@ -137,7 +137,7 @@ class KVCacheConfig:
     block_size: int = 16
     layout: str = "contiguous"  # or "paged": blocks of block_size positions from a shared pool (chapter 9)
     pool_mib: int = 0  # paged: the pool's memory; 0 = what the contiguous cache reserves (max_cache_len)
-    prefix_caching: bool = False  # paged: full blocks keyed by their tokens are reused by later prompts (chapter 11)
+    prefix_caching: bool = False  # paged: full blocks keyed by their tokens are reused by later prompts (chapter 11a)
 
     def __post_init__(self) -> None:
         _positive("kv_cache", self, "max_cache_len", "block_size")
@@ -155,7 +155,7 @@ class ServerConfig:
     api_base: str = "http://127.0.0.1:8000/api"
     api_key_env: str = "TAOTOKEN_API_KEY"
     model_endpoint: str = "/v1/chat/completions"
-    # requests decoded together (continuous batching); 1 = one request at a time (chapter 11, "Tuning the service")
+    # requests decoded together (continuous batching); 1 = one request at a time (chapter 11a)
     max_num_seqs: int = 8
     # prompt positions per prefill pass, with decode steps of the running requests between passes (vLLM's chunked
     # prefill); 0 = a whole prompt in one pass

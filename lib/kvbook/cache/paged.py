@@ -12,7 +12,7 @@ Prefix caching ([kv_cache] prefix_caching, vLLM's automatic prefix caching): a f
 of its tokens and of every token before it, so equal keys mean equal K and V. A new prompt that starts with
 blocks already in the pool takes them (their reference count goes up) and prefills only the rest. A freed
 block keeps its key, and can be found again, until the pool hands it out for new positions; then the key is
-dropped, so a refilled block is never mistaken for its old contents. Explained in chapter 11.
+dropped, so a refilled block is never mistaken for its old contents. Explained in chapter 11a.
 """
 
 from __future__ import annotations

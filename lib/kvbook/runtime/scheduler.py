@@ -20,7 +20,7 @@ A sequence's tokens do not depend on its neighbours: each row of a decode step a
 the scheduler may batch (max_num_seqs > 1) every decode step is a batched step whatever the batch size, its rows
 padded to a multiple checked for the machine (kvbook.kernels). With max_num_seqs = 1 there is never a batch:
 decode runs in the lone step's dtype (Engine.decode_dtype) and, on a GPU, replays CUDA graphs. Explained in
-chapter 11 ("Tuning the service").
+chapter 11a ("Continuous batching, chunked prefill and prefix caching").
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .sequence import Sequence, check_token_ids, make_step
 
 @dataclass(frozen=True)
 class BatchStep:
-    """One forward pass of the scheduler, for the timeline of chapter 11."""
+    """One forward pass of the scheduler, for the timeline of chapter 11a."""
 
     index: int
     phase: str  # "prefill" (one sequence) or "decode" (every running sequence)

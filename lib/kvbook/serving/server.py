@@ -121,7 +121,7 @@ def _metrics_for(engine: Engine, runner: SchedulerThread) -> ServerMetrics:
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer | None = None, record_timeline: bool = False) -> FastAPI:
-    """record_timeline: keep every forward pass in app.state.scheduler.scheduler.timeline (chapter 11, tests).
+    """record_timeline: keep every forward pass in app.state.scheduler.scheduler.timeline (chapter 11a, tests).
 
     app.state: scheduler (the SchedulerThread), metrics (ServerMetrics), draining (set on shutdown: new requests
     are refused with 503)."""
