@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -60,10 +61,20 @@ from .measure import (
 from .roofline import prefill_flops
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, in MiB: VmHWM, which starts afresh at exec. (getrusage's ru_maxrss
+    does not: a worker started by a large process, a notebook's kernel, reported the parent's peak.)"""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):  # not Linux: the rusage figure, KiB on Linux and BSD
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _peak_memory(device: torch.device) -> dict:
     """The process's peak memory: its RSS, and on a GPU the device memory torch allocated there, where the weights
     and the cache live (the RSS then holds only the host side)."""
-    peak = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux reports KiB
+    peak = {"peak_rss_mb": peak_rss_mb()}
     if device.type == "cuda":
         peak["peak_gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return peak

@@ -7,7 +7,6 @@ written the first time a bench asks for them: an F16 file is the float16 weights
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ def llama_cpp_worker(config: Config, repeats: int, steps: int, gguf_type: str) -
     import numpy as np
 
     from ..tokenizer import build_prompt_ids
+    from .bench import peak_rss_mb  # bench imports this module
 
     threads = torch.get_num_threads()  # the engine's threads: one per core
     started = time.perf_counter()
@@ -87,7 +87,7 @@ def llama_cpp_worker(config: Config, repeats: int, steps: int, gguf_type: str) -
     run(min(steps, 4))  # warm-up
     ttft, tpot = zip(*[run(steps) for _ in range(repeats)], strict=True)
     return {"build_s": load_s, "ttft_runs": list(ttft), "tpot_runs": list(tpot), "threads": threads,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "type": gguf_type,
+            "peak_rss_mb": peak_rss_mb(), "type": gguf_type,
             "gguf_bytes": path.stat().st_size, "llama_cpp": llama_cpp.__version__,
             "system_info": llama_cpp.llama_print_system_info().decode().strip()}
 
