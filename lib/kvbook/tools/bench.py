@@ -398,6 +398,14 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
     reads = [machine["read_gbps"]]
     products = [machine["peak_gflops"]]  # GFLOP/s of the fastest kernel's 256-row product, sampled with each read
     read_loops = [machine["read_loop"]]  # which plain read streamed fastest in each sample
+
+    def sample_read(role: str = "probe") -> dict:
+        """A plain read in a process of its own, kept for the floor (and, with probe:KERNEL, the kernel's rate)."""
+        probe = _run_worker(role, config_path, overrides, 10, 1)
+        reads.append(probe["probe_gbps"])
+        read_loops.append(probe["probe_loop"])
+        return probe
+
     for r in range(rounds):
         announce()
         engine_rounds.append(_run_worker("engine", config_path, overrides, repeats, steps))
@@ -407,15 +415,9 @@ def run_bench(config: Config, config_path: str, overrides: list[str], against: s
         for gguf_type in gguf_types:
             announce()
             runs = _run_worker(f"llama.cpp:{gguf_type}", config_path, overrides, repeats, steps)
-            probe = _run_worker("probe", config_path, overrides, 10, 1)  # the memory's speed in its minutes
-            runs["read_gbps"] = probe["probe_gbps"]
-            reads.append(probe["probe_gbps"])
-            read_loops.append(probe["probe_loop"])
+            runs["read_gbps"] = sample_read()["probe_gbps"]  # the memory's speed in its minutes
             llama_rounds[gguf_type].append(runs)
-        probe = _run_worker(f"probe:{machine['peak_gflops_dtype']}", config_path, overrides, 10, 1)
-        reads.append(probe["probe_gbps"])
-        read_loops.append(probe["probe_loop"])
-        products.append(probe["probe_gflops"])
+        products.append(sample_read(f"probe:{machine['peak_gflops_dtype']}")["probe_gflops"])
         if cold and r == 0:
             announce()
             for _ in range(COLD_RUNS):  # each into its own empty cache; the worker exits once the cache is written

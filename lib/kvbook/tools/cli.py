@@ -363,14 +363,15 @@ def cmd_export(config: Config, args) -> None:
         raise ConfigError("--type is for --format gguf (an hf export keeps [inference] dtype)")
     dtype = TORCH_DTYPES[config.inference.dtype]
     model = checkpoint_config(args.checkpoint, args.num_layers) if args.checkpoint else config.model
+    gguf_type = args.type or "f16"
     if args.format == "gguf":
-        check_gguf(model, args.type or "f16")  # before reading gigabytes of weights
+        check_gguf(model, gguf_type)  # before reading gigabytes of weights
     weights = load_checkpoint(args.checkpoint, model, dtype) if args.checkpoint else load_random_weights(model, dtype)
     layers = f"{model.num_hidden_layers} layer{'s' if model.num_hidden_layers > 1 else ''}"
     if args.format == "gguf":
-        path = export_gguf(model, weights, args.target, args.type or "f16", progress=True)
+        path = export_gguf(model, weights, args.target, gguf_type, progress=True)
         wait_for_saves()  # random weights drawn for the first time: their cache file too
-        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {args.type or 'f16'}, {layers}, Qwen's "
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {gguf_type}, {layers}, Qwen's "
               "vocabulary and chat template)")
         print(f"run it: llama-cli -m {path}   (or: python -m llama_cpp.server --model {path})")
         return

@@ -147,10 +147,10 @@ def export_gguf(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: str | 
         raise ConfigError(f"{str(path)!r} exists; export into a new file")
     if not path.parent.is_dir():
         raise ConfigError(f"{str(path.parent)!r} is not a directory; create it first")
-    matrix_type = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-                   "f32": gguf.GGMLQuantizationType.F32}[type_name]
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                 "f32": gguf.LlamaFileType.ALL_F32}[type_name]
+    matrix_type, file_type = {
+        "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+        "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+        "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32)}[type_name]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg.num_hidden_layers)
     tokens, types, merges = qwen_vocabulary(cfg.vocab_size)
 
@@ -186,9 +186,9 @@ def export_gguf(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: str | 
             if stored == gguf.GGMLQuantizationType.Q8_0:  # a few thousand rows at a time: small temporaries
                 array = np.concatenate([gguf.quants.quantize(rows.detach().float().numpy(), stored)
                                         for rows in tensor.split(GGUF_ROWS)])
-            else:  # float16 or float32 as they are: the writer reads the weights' own memory
-                array = tensor.detach().to(torch.float16 if stored == gguf.GGMLQuantizationType.F16
-                                           else torch.float32).numpy()
+            else:  # float16 or float32: no copy where the weights already are that dtype
+                float16 = stored == gguf.GGMLQuantizationType.F16
+                array = tensor.detach().to(torch.float16 if float16 else torch.float32).numpy()
             writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), array, raw_dtype=stored)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
