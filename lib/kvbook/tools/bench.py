@@ -31,13 +31,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -55,20 +53,11 @@ from .measure import (
     kernel_specs,
     kernel_table,
     matmul_gflops,
+    peak_rss_mb,
     read_around,
     read_bandwidth_gbps,
 )
 from .roofline import prefill_flops
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory, in MiB: VmHWM, which starts afresh at exec. (getrusage's ru_maxrss
-    does not: a worker started by a large process, a notebook's kernel, reported the parent's peak.)"""
-    try:
-        status = Path("/proc/self/status").read_text()
-        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):  # not Linux: the rusage figure, KiB on Linux and BSD
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _peak_memory(device: torch.device) -> dict:

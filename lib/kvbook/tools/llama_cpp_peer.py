@@ -17,6 +17,7 @@ from ..config import Config
 from ..device import TORCH_DTYPES
 from ..model.weights import expected_shapes, load_random_weights, random_weights_path, wait_for_saves
 from .export import Q8_0_BLOCK, export_gguf
+from .measure import peak_rss_mb
 
 GGUF_LABELS = {"f16": "F16", "q8_0": "Q8_0"}  # the types the bench runs, as llama.cpp names them
 BYTES_PER_NUMBER = {"f16": 2.0, "q8_0": (Q8_0_BLOCK + 2) / Q8_0_BLOCK}  # Q8_0: 32 int8 and one float16 scale
@@ -56,7 +57,6 @@ def llama_cpp_worker(config: Config, repeats: int, steps: int, gguf_type: str) -
     import numpy as np
 
     from ..tokenizer import build_prompt_ids
-    from .bench import peak_rss_mb  # bench imports this module
 
     threads = torch.get_num_threads()  # the engine's threads: one per core
     started = time.perf_counter()

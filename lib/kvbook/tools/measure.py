@@ -4,6 +4,7 @@ kernel table (a matrix-vector product, 8 rows, a 256-row product per kernel), ti
 from __future__ import annotations
 
 import platform
+import resource
 import time
 from functools import partial
 from pathlib import Path
@@ -100,6 +101,16 @@ class TimingWeights:
         if key not in self._products:
             self._products[key] = product_for(self.weight(out_features, in_features, dtype), kernel)
         return self._products[key]
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, in MiB: VmHWM, which starts afresh at exec. (getrusage's ru_maxrss
+    does not: a worker started by a large process, a notebook's kernel, reported the parent's peak.)"""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):  # not Linux: the rusage figure, KiB on Linux and BSD
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def time_linear(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device: torch.device,
