@@ -147,8 +147,8 @@ def pack_layers(layers: list[FastProducts], progress: bool = False) -> None:
     if not unpacked:
         return
     if progress:
-        print(f"kvbook: packing {len(unpacked)} float16 weight matrices for FBGEMM's batched steps "
-              "(once per process) ...", file=sys.stderr, flush=True)
+        print(f"kvbook: packing {len(unpacked)} float16 weight matrices for the batched steps (once per "
+              "process) ...", file=sys.stderr, flush=True)
     started = time.perf_counter()
     # FBGEMM packs one block on one CPU and releases the GIL: every block goes to a pool, so the CPUs pack at once
     with ThreadPoolExecutor(os.cpu_count()) as pool:

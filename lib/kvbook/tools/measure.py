@@ -1,5 +1,6 @@
 """Measuring the machine, for the bench (kvbook.tools.bench) and chapters 8 and 11: plain read bandwidth, the
-kernel table (a matrix-vector product, 8 rows, a 256-row product per kernel), timed products, and what the CPU is."""
+kernel table (a matrix-vector product, 8 rows, a 256-row product per kernel), timed products, peak memory and
+what the CPU is."""
 
 from __future__ import annotations
 

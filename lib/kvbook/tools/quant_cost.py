@@ -1,6 +1,6 @@
 """What quantization costs (kvbook.model.quant, kvbook.cache.kv_quant), measured: the same tokens fed to two engines,
-their next-token distributions compared position by position. Used by chapter 12 ("Reading fewer bytes"),
-scripts/quant_cost.py and the tests.
+their next-token distributions compared position by position. Used by chapter 12 ("Reading fewer bytes")
+and the tests.
 """
 
 from __future__ import annotations
