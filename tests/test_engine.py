@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 from kvbook.cache.contiguous import CacheFullError, KVCache
-from kvbook.model.weights import load_random_weights, random_weights, random_weights_path, wait_for_saves
+from kvbook.model.weights import load_random_weights, random_weights, random_weights_path
 from kvbook.runtime.engine import Engine
 
 from .conftest import small_config
@@ -177,8 +177,7 @@ def test_weights_are_cached_under_xdg_and_reloaded_identically(weight_cache):
     cfg = small_config().model
     path = random_weights_path(cfg, torch.float32)
     assert path.parent == weight_cache and not path.exists()
-    first = load_random_weights(cfg, torch.float32, progress=False)  # drawn, written in the background
-    wait_for_saves()
+    first = load_random_weights(cfg, torch.float32, progress=False)  # drawn and written before it returns
     assert path.exists() and not list(path.parent.glob("*.partial-*"))
     mtime = path.stat().st_mtime_ns
     second = load_random_weights(cfg, torch.float32, progress=False)

@@ -15,7 +15,6 @@ from kvbook.kernels import weight_bytes_kept
 from kvbook.kernels.layers import fast_layers
 from kvbook.model import quant
 from kvbook.model.linear import Linear
-from kvbook.model.weights import wait_for_saves
 from kvbook.runtime.engine import Engine
 from kvbook.runtime.scheduler import Scheduler
 from kvbook.tools import quant_cost
@@ -129,7 +128,7 @@ def test_engine_quantizes_layers_and_lm_head_and_keeps_the_embedding(weight_cach
 def test_int8_matrices_are_cached_beside_the_random_weights(weight_cache):
     cfg = small_config()
     first = int8_engine(cfg)
-    wait_for_saves()
+    first.cache_writes.wait()
     assert [path.name.split(".", 1)[1] for path in weight_cache.glob("*.int8-*")] == ["int8-bfloat16.safetensors"]
     second = int8_engine(cfg)  # reads them back instead of quantizing again
     pairs = [(a, b) for a, b in zip(first.model.modules(), second.model.modules(), strict=True)
@@ -145,8 +144,7 @@ def test_int8_matrices_read_back_from_a_misaligned_file_are_multiplied_safely(we
     import struct
 
     cfg = small_config(dtype="float16")
-    int8_engine(cfg)
-    wait_for_saves()
+    int8_engine(cfg).cache_writes.wait()
     (path,) = weight_cache.glob("*.int8-*")
     with path.open("rb") as file:
         header = struct.unpack("<Q", file.read(8))[0]

@@ -123,14 +123,15 @@ def int8_cache_path(model_cfg, dtype: torch.dtype, act_dtype: torch.dtype) -> Pa
     return path.with_name(f"{path.stem}.int8-{str(act_dtype).removeprefix('torch.')}.safetensors")
 
 
-def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, drawn_from=None) -> int:
+def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, drawn_from=None,
+                   writes=None) -> int:
     """Replace every Linear of the decoder layers and lm_head with an Int8Linear, in place -> weight bytes after.
 
     A model already quantized (shared by another Engine) is left as it is. A tied lm_head (Qwen3's small sizes)
     gets its own int8 copy: the embedding stays floating for the lookup. drawn_from: the ModelConfig of random
     weights (kvbook.model.weights): their int8 matrices are read from the weight cache, or quantized and then written
-    there in the background, as the weights themselves are."""
-    from .weights import _save_in_background
+    there, as the weights themselves are (queued on writes, a weights.CacheWrites, when given)."""
+    from .weights import cache_write
 
     act_dtype = activation_dtype(device, dtype)
     check_int8_kernel(device, act_dtype)
@@ -151,7 +152,7 @@ def quantize_model(model: nn.Module, device: torch.device, dtype: torch.dtype, d
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, Int8Linear(q, scale, module.weight))
     if path is not None and cached is None and computed:
-        _save_in_background({name: t.cpu() for name, t in computed.items()}, path, progress=False)
+        cache_write({name: t.cpu() for name, t in computed.items()}, path, False, writes)
     return quantized_weight_bytes(model)
 
 

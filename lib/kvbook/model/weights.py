@@ -93,7 +93,6 @@ def check_shapes(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
                                   f"the model needs {list(shape)}")
 
 
-_pending_saves: list[threading.Thread] = []
 log = logging.getLogger(__name__)
 
 
@@ -108,52 +107,47 @@ def _save_atomically(tensors: dict[str, torch.Tensor], path: Path) -> None:
             partial.unlink(missing_ok=True)
         log.warning("kvbook: could not cache weights in %s (%s); the next run draws them again", path, err)
         return
-    # Only the logger speaks from this thread: a print would land in whatever notebook cell runs next.
+    # Only the logger speaks from a writing thread: a print would land in whatever notebook cell runs next.
     log.info("kvbook: cached weights in %s", path)
 
 
-_held_saves: list[threading.Thread] | None = None  # saves asked for inside saves_held(), not started yet
+class CacheWrites:
+    """Weight-cache files written in background threads, so a model is in use while gigabytes go to disk.
+
+    Its owner starts them when it is ready (an Engine: once its whole model is built, since writing on the same
+    CPUs slows quantizing the matrices to int8 down) and may wait for them; Python waits for started ones at exit."""
+
+    def __init__(self):
+        self.queued: list[threading.Thread] = []  # asked for, not started
+        self.started: list[threading.Thread] = []
+
+    def add(self, tensors: dict[str, torch.Tensor], path: Path, progress: bool = True) -> None:
+        """The caller's thread says so now, so the message belongs to the call (or notebook cell) that asked."""
+        if progress:
+            print(f"kvbook: caching the weights in {path}", file=sys.stderr, flush=True)
+        self.queued.append(threading.Thread(target=_save_atomically, args=(tensors, path), name=f"save {path.name}"))
+
+    def start(self) -> None:
+        while self.queued:
+            thread = self.queued.pop(0)
+            thread.start()
+            self.started.append(thread)
+
+    def wait(self) -> None:
+        """Start what is queued, then block until every file is written."""
+        self.start()
+        while self.started:
+            self.started.pop().join()
 
 
-def _save_in_background(tensors: dict[str, torch.Tensor], path: Path, progress: bool) -> None:
-    """The model is usable while its weights are written; the process waits for the write before it exits.
-    The caller's thread says so now, so the message belongs to the call (or notebook cell) that asked."""
-    if progress:
-        print(f"kvbook: caching the weights in {path} (written in the background)", file=sys.stderr, flush=True)
-    thread = threading.Thread(target=_save_atomically, args=(tensors, path), name=f"save {path.name}")
-    if _held_saves is None:
-        _start_save(thread)
-    else:
-        _held_saves.append(thread)
-
-
-def _start_save(thread: threading.Thread) -> None:
-    _pending_saves.append(thread)  # only started writes: wait_for_saves joins these
-    thread.start()
-
-
-@contextlib.contextmanager
-def saves_held():
-    """Writes asked for inside the block start when it ends (also on an error): kvbook.runtime.engine builds its
-    whole model first, since writing gigabytes on the same CPUs slows quantizing the matrices to int8 down."""
-    global _held_saves
-    if _held_saves is not None:  # nested: the outer block starts them
-        yield
+def cache_write(tensors: dict[str, torch.Tensor], path: Path, progress: bool, writes: CacheWrites | None) -> None:
+    """Queue the write on writes (its owner starts it), or without one write it before returning."""
+    if writes is not None:
+        writes.add(tensors, path, progress)
         return
-    _held_saves = []
-    try:
-        yield
-    finally:
-        held, _held_saves = _held_saves, None
-        for thread in held:
-            _start_save(thread)
-
-
-def wait_for_saves() -> None:
-    """Block until every weight file started by this process is written (tests, benchmarks); inside a
-    saves_held() block the writes it holds have not started, so they are not waited for."""
-    while _pending_saves:
-        _pending_saves.pop().join()
+    now = CacheWrites()
+    now.add(tensors, path, progress)
+    now.wait()
 
 
 # ---- deterministic random weights, cached as safetensors -------------------------------------------------
@@ -202,14 +196,15 @@ def random_weights_path(cfg: ModelConfig, dtype: torch.dtype) -> Path:
     return cache_dir() / f"random-{str(dtype).removeprefix('torch.')}-{key}.safetensors"
 
 
-def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True) -> dict[str, torch.Tensor]:
-    """The weights: mmaps of the cached file, or the first time drawn in memory and then written to the cache in
-    the background (an Engine holds the write until its whole model is built: saves_held)."""
+def load_random_weights(cfg: ModelConfig, dtype: torch.dtype, progress: bool = True,
+                        writes: CacheWrites | None = None) -> dict[str, torch.Tensor]:
+    """The weights: mmaps of the cached file, or the first time drawn in memory and written to the cache, in the
+    background when writes is given (an Engine passes its own and starts them once its model is built)."""
     path = random_weights_path(cfg, dtype)
     if path.exists():
         return load_file(str(path))
     weights = random_weights(cfg, dtype, progress)
-    _save_in_background(weights, path, progress)
+    cache_write(weights, path, progress, writes)
     return weights
 
 

@@ -22,7 +22,7 @@ from ..device import TORCH_DTYPES, resolve_device, synchronize
 from ..kernels import Kernels, choose, enable_huge_pages, weight_bytes_kept
 from ..model import quant
 from ..model.qwen3 import Qwen3ForCausalLM
-from ..model.weights import build_model, checkpoint_config, load_checkpoint, load_random_weights, saves_held
+from ..model.weights import CacheWrites, build_model, checkpoint_config, load_checkpoint, load_random_weights
 from . import cuda_graph
 from .inputs import prepare_decode
 from .scheduler import Scheduler
@@ -46,14 +46,19 @@ class Engine:
         self.prefix_caching = config.kv_cache.prefix_caching
         self.progress = progress
         self.batched_ready = False  # prepare_batched_decode has run
-        with saves_held():  # the weight cache is written once the model is whole, int8 matrices too
+        # weight-cache files this engine drew or quantized: written once the model is whole (wait() joins them)
+        self.cache_writes = CacheWrites()
+        try:
             drawn = model is None  # random weights, from the weight cache (kvbook.model.weights)
             if drawn:
-                model = build_model(config.model, load_random_weights(config.model, self.dtype, progress), self.device)
+                weights = load_random_weights(config.model, self.dtype, progress, self.cache_writes)
+                model = build_model(config.model, weights, self.device)
             kv_quant.check_cache_dtype(config.kv_cache.cache_dtype, self.device)
             if config.inference.weight_dtype == "int8":  # int8 matrices for decode (kvbook.model.quant)
-                quant.quantize_model(model, self.device, self.dtype, drawn_from=config.model if drawn else None)
+                quant.quantize_model(model, self.device, self.dtype, config.model if drawn else None, self.cache_writes)
             self.kernels.prepare(model)  # prefill's copies of the weights, where this device computes faster so
+        finally:  # also when the build fails: what was drawn is cached
+            self.cache_writes.start()
         synchronize(self.device)
         self.ready_s = time.perf_counter() - started  # model build or cached load, to usable on the device
         self.config = config

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from ..config import Config, ConfigError
 from ..device import TORCH_DTYPES, resolve_device, synchronize
 from ..model.tensor_parallel import rank_config, shard_weights
-from ..model.weights import build_model, checkpoint_config, load_checkpoint, load_random_weights, wait_for_saves
+from ..model.weights import build_model, checkpoint_config, load_checkpoint, load_random_weights
 from .engine import Engine
 from .scheduler import Scheduler
 from .sequence import Generation
@@ -71,7 +71,6 @@ def launch(config: Config, world_size: int, work, *args, checkpoint: str | None 
     rank_config(config.model, world_size)  # a split that does not divide fails here, before any process starts
     if checkpoint is None:  # draw the weights once, here, if no cache has them: the ranks then map the same file
         load_random_weights(config.model, TORCH_DTYPES[config.inference.dtype], progress)
-        wait_for_saves()
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # our RankError says it in one line
     context = mp.get_context("spawn")
     messages = context.SimpleQueue()

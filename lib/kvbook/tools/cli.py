@@ -354,7 +354,7 @@ def _generate_on_ranks(config: Config, args, input_ids: list[int], tokenizer) ->
 
 def cmd_export(config: Config, args) -> None:
     from ..device import TORCH_DTYPES
-    from ..model.weights import checkpoint_config, load_checkpoint, load_random_weights, wait_for_saves
+    from ..model.weights import checkpoint_config, load_checkpoint, load_random_weights
     from .export import check_gguf, export_gguf, export_hf
 
     if args.num_layers is not None and not args.checkpoint:
@@ -370,13 +370,11 @@ def cmd_export(config: Config, args) -> None:
     layers = f"{model.num_hidden_layers} layer{'s' if model.num_hidden_layers > 1 else ''}"
     if args.format == "gguf":
         path = export_gguf(model, weights, args.target, gguf_type, progress=True)
-        wait_for_saves()  # random weights drawn for the first time: their cache file too
         print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {gguf_type}, {layers}, Qwen's "
               "vocabulary and chat template)")
         print(f"run it: llama-cli -m {path}   (or: python -m llama_cpp.server --model {path})")
         return
     directory = export_hf(model, weights, args.target)
-    wait_for_saves()
     size = (directory / "model.safetensors").stat().st_size
     print(f"wrote {directory}: config.json, generation_config.json, model.safetensors ({size / 1e9:.2f} GB, "
           f"{config.inference.dtype}, {layers})")

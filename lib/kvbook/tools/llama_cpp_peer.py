@@ -15,7 +15,7 @@ import torch
 
 from ..config import Config
 from ..device import TORCH_DTYPES
-from ..model.weights import expected_shapes, load_random_weights, random_weights_path, wait_for_saves
+from ..model.weights import expected_shapes, load_random_weights, random_weights_path
 from .export import Q8_0_BLOCK, export_gguf
 from .measure import peak_rss_mb
 
@@ -31,7 +31,6 @@ def gguf_path(config: Config, gguf_type: str) -> Path:
         weights = load_random_weights(config.model, TORCH_DTYPES[config.inference.dtype], progress=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         export_gguf(config.model, weights, path, gguf_type)
-        wait_for_saves()  # weights drawn for the first time: their own cache file too
     return path
 
 
